@@ -1,0 +1,303 @@
+"""This process's link to the session: its scope table and its watchdog connection.
+
+A process finds the watchdog through the ``PYTEST_ELASTIC_TIMER`` environment variable
+(the path of the watchdog's socket), which the plugin sets for the whole session so
+that every child process inherits it. The client has no thread and never polls: it
+writes scopes into its shared table and sends a message only when the watchdog has to
+wake earlier than it already promised to. Without a watchdog (plain ``python``, or the
+watchdog went away) an in-process sentinel thread enforces the same table, with the
+weaker guarantees documented in ``docs/design.md``.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import itertools
+import os
+import signal
+import socket
+import sys
+import threading
+import uuid
+from types import CodeType, FrameType
+from typing import Any, Callable
+
+from . import table as tbl
+from . import wire
+
+ENV_ADDRESS = "PYTEST_ELASTIC_TIMER"
+ENV_SCALE = "PYTEST_ELASTIC_TIMER_SCALE"  # scale factor where no watchdog tells it
+
+SignalHandler = Callable[[int, FrameType | None], Any]
+
+
+def _label_from_env() -> str:
+    for name in ("RANK", "LOCAL_RANK"):
+        value = os.environ.get(name)
+        if value is not None and value.strip().lstrip("-").isdigit():
+            return f"rank {int(value)}"
+    return ""
+
+
+def _free_signals(count: int, ours: SignalHandler) -> list[int]:
+    """``count`` real-time signals that nobody in this process handles yet.
+
+    A handler the code under test installed is never replaced: a signal is taken only
+    when its handler is the default one, or ours (after a fork).
+    """
+    if hasattr(signal, "SIGRTMIN"):
+        candidates = list(range(signal.SIGRTMIN + 2, signal.SIGRTMAX - 1))
+    else:  # macOS and friends have no real-time signals
+        candidates = [signal.SIGUSR1, signal.SIGUSR2]
+    chosen = []
+    for signum in candidates:
+        current = signal.getsignal(signum)
+        if current in (signal.SIG_DFL, None) or current is ours:
+            chosen.append(signum)
+            if len(chosen) == count:
+                break
+    return chosen
+
+
+class ProcessState:
+    """Everything a scope needs from its process, set up at the first scope entered."""
+
+    def __init__(self, on_interrupt: SignalHandler) -> None:
+        self.pid = os.getpid()
+        self.address = os.environ.get(ENV_ADDRESS) or None
+        self.sock: socket.socket | None = None
+        self.sentinel: Sentinel | None = None
+        self.scale = _float_env(ENV_SCALE, 1.0)
+        self.grace = 2.0
+        self.watchdog_pid = 0
+        self.free: list[int] = []
+        self.hwm = 0
+        self.serials = itertools.count(1)
+        self.sids: dict[str, int] = {}
+        self.sites: dict[tuple[CodeType, int], tuple[int, str]] = {}
+        self.paths: dict[tuple[str, str], str] = {}
+        self.nodeid = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+        self.nodeid_sid = 0
+        self.warned = False
+        self.on_interrupt = on_interrupt
+        self.interrupt_sig, self.dump_sig = self._install_signals(on_interrupt)
+        self.table = self._attach()
+        self.armed = self.table.floats  # hot path: armed[tbl.H_ARMED]
+        self.nodeid_sid = self.sid(self.nodeid)
+        self.table.words[tbl.H_INTERRUPT_SIG] = self.interrupt_sig
+        self.table.words[tbl.H_DUMP_SIG] = self.dump_sig
+        self.table.words[tbl.H_MAIN_TID] = threading.main_thread().ident or 0
+        self.set_label(_label_from_env())
+        self.table.words[tbl.H_WORKER_SID] = self.sid(os.environ.get("PYTEST_XDIST_WORKER", ""))
+
+    # -- set-up ---------------------------------------------------------------------
+    def _install_signals(self, on_interrupt: SignalHandler) -> tuple[int, int]:
+        if threading.current_thread() is not threading.main_thread():
+            # signal.signal() works only in the main thread; such a process gets no soft
+            # interrupt, the watchdog goes straight to dump and terminate after grace.
+            return 0, 0
+        free = _free_signals(2, on_interrupt)
+        interrupt_sig = free[0] if free else 0
+        dump_sig = free[1] if len(free) > 1 else 0
+        if interrupt_sig:
+            # Python installs handlers without SA_RESTART: a blocking system call returns
+            # EINTR, the handler runs (and raises), and other code retries (PEP 475).
+            signal.signal(interrupt_sig, on_interrupt)
+        return interrupt_sig, dump_sig
+
+    def _attach(self) -> tbl.ScopeTable:
+        if self.address:
+            try:
+                return self._connect(self.address)
+            except (OSError, wire.BadMessage, ValueError) as exc:
+                self._warn(f"cannot reach the watchdog at {self.address} ({exc}); "
+                           "enforcing scopes in-process")
+                self._close_socket()
+        table = tbl.ScopeTable.create(None)
+        self.sentinel = Sentinel(self, table)
+        return table
+
+    def _connect(self, address: str) -> tbl.ScopeTable:
+        directory = os.path.dirname(address)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock.settimeout(10.0)
+        sock.connect(address)
+        self.sock = sock
+        path = os.path.join(directory, f"table-{self.pid}-{uuid.uuid4().hex[:8]}")
+        table = tbl.ScopeTable.create(path)
+        dump_path = ""
+        if self.dump_sig:
+            dump_path = os.path.join(directory, f"dump-{self.pid}-{uuid.uuid4().hex[:8]}")
+            fd = os.open(dump_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            self.dump_file = os.fdopen(fd, "w")
+            faulthandler.register(self.dump_sig, file=self.dump_file, all_threads=True,
+                                  chain=False)
+        sock.sendall(wire.encode("hello", pid=self.pid, table=path, dump=dump_path))
+        op, fields = wire.decode(sock.recv(wire.MAX_MESSAGE))
+        if op != "welcome":
+            raise wire.BadMessage(f"watchdog answered {op!r}: {fields.get('error', '')}")
+        self.scale = float(fields.get("scale", 1.0))
+        self.grace = float(fields.get("grace", 2.0))
+        self.watchdog_pid = int(fields.get("pid", 0))
+        sock.settimeout(None)
+        return table
+
+    def close(self) -> None:
+        """Detach from the watchdog (or stop the sentinel); scopes open now are lost."""
+        self._close_socket()
+        if self.sentinel is not None:
+            self.sentinel.stop()
+
+    def _close_socket(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+    def _warn(self, text: str) -> None:
+        if not self.warned:
+            self.warned = True
+            sys.stderr.write(f"pytest-elastic-timer: {text}\n")
+
+    # -- strings --------------------------------------------------------------------
+    def sid(self, text: str) -> int:
+        sid = self.sids.get(text)
+        if sid is None:
+            sid = self.sids[text] = self.table.add_string(text) if text else 0
+        return sid
+
+    def site(self, frame: FrameType) -> tuple[int, str]:
+        """(sid of "file:line", default scope name) for the line ``frame`` is at."""
+        key = (frame.f_code, frame.f_lineno)
+        site = self.sites.get(key)
+        if site is None:
+            filename = frame.f_code.co_filename
+            site = self.sites[key] = (
+                self.sid(f"{filename}:{frame.f_lineno}"),
+                f"{os.path.basename(filename)}:{frame.f_lineno}",
+            )
+        return site
+
+    def site_at(self, filename: str, line: int) -> tuple[int, str]:
+        """Like :meth:`site` for an explicit place (a test's definition)."""
+        return self.sid(f"{filename}:{line}"), f"{os.path.basename(filename)}:{line}"
+
+    def path(self, parent: str, name: str) -> str:
+        key = (parent, name)
+        path = self.paths.get(key)
+        if path is None:
+            path = self.paths[key] = f"{parent}/{name}" if parent else name
+        return path
+
+    def set_label(self, label: str) -> None:
+        self.label = label
+        self.table.words[tbl.H_LABEL_SID] = self.sid(label)
+
+    def set_nodeid(self, nodeid: str) -> None:
+        self.nodeid = nodeid
+        self.nodeid_sid = self.sid(nodeid)
+
+    # -- slots ----------------------------------------------------------------------
+    def alloc(self) -> int:
+        free = self.free
+        if free:
+            return free.pop()
+        index = self.hwm
+        if index >= tbl.CAPACITY:
+            raise RuntimeError(f"more than {tbl.CAPACITY} scopes open in process {self.pid}")
+        self.hwm = index + 1
+        self.table.words[tbl.H_HWM] = index + 1
+        return index
+
+    # -- messages -------------------------------------------------------------------
+    def notify(self, deadline: float) -> None:
+        """Tell the enforcer to wake at ``deadline``, earlier than it promised."""
+        self.armed[tbl.H_ARMED] = deadline
+        if self.sentinel is not None:
+            self.sentinel.wake()
+        else:
+            self.send("wake", at=deadline)
+
+    def send(self, op: str, **fields: Any) -> None:
+        sock = self.sock
+        if sock is None:
+            return
+        try:
+            sock.sendall(wire.encode(op, **fields))
+        except OSError as exc:
+            self._warn(f"lost the watchdog ({exc}); enforcing scopes in-process from now on")
+            self._close_socket()
+            self.sentinel = Sentinel(self, self.table)
+            self.sentinel.wake()
+
+    def request(self, op: str, **fields: Any) -> dict[str, Any]:
+        """Send ``op`` and wait for the watchdog's answer (used by the plugin only)."""
+        sock = self.sock
+        if sock is None:
+            return {}
+        try:
+            sock.settimeout(10.0)
+            sock.sendall(wire.encode(op, **fields))
+            _, answer = wire.decode(sock.recv(wire.MAX_MESSAGE))
+            sock.settimeout(None)
+            return answer
+        except (OSError, wire.BadMessage) as exc:
+            self._warn(f"lost the watchdog ({exc})")
+            return {}
+
+
+class Sentinel:
+    """In-process enforcement where no watchdog is reachable: one daemon thread.
+
+    It wakes at the earliest deadline of the table and sends this process its own
+    interrupt signal. It cannot stop a C call that holds the GIL, nor kill anything:
+    that takes the watchdog.
+    """
+
+    def __init__(self, state: ProcessState, table: tbl.ScopeTable) -> None:
+        self.state = state
+        self.table = table
+        self.cond = threading.Condition()
+        self.fired: set[int] = set()
+        self.stopped = False
+        self.thread = threading.Thread(target=self._run, name="elastic-timer-sentinel",
+                                       daemon=True)
+        self.thread.start()
+
+    def wake(self) -> None:
+        with self.cond:
+            self.cond.notify()
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.wake()
+
+    def _run(self) -> None:
+        import time
+
+        floats = self.table.floats
+        while not self.stopped:
+            with self.cond:
+                now = time.monotonic()
+                floats[tbl.H_ARMED] = 0.0
+                earliest = float("inf")
+                for slot in self.table.open_slots():
+                    if slot.deadline <= now:
+                        if slot.serial not in self.fired and not floats[tbl.H_SUSPENDED]:
+                            self.fired.add(slot.serial)
+                            self._interrupt()
+                    else:
+                        earliest = min(earliest, slot.deadline)
+                floats[tbl.H_ARMED] = earliest
+                timeout = None if earliest == float("inf") else max(0.0, earliest - now)
+                self.cond.wait(timeout)
+
+    def _interrupt(self) -> None:
+        if self.state.interrupt_sig:
+            os.kill(os.getpid(), self.state.interrupt_sig)
+
+
+def _float_env(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        return default

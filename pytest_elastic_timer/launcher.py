@@ -1,0 +1,110 @@
+"""Starting and stopping the session's watchdog process (no pytest imports here)."""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+from . import client
+
+STOP_TIMEOUT = 15.0
+
+
+class WatchdogError(RuntimeError):
+    """The watchdog could not be started."""
+
+
+def _session_root_dir() -> str | None:
+    # tmpfs keeps the scope tables in memory; fall back to the usual temp dir.
+    shm = "/dev/shm"
+    if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK):
+        return shm
+    return None
+
+
+@dataclass
+class WatchdogHandle:
+    """A running watchdog: its process, socket address and private directory."""
+
+    proc: subprocess.Popen[bytes]
+    address: str
+    directory: str
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def records_path(self) -> str:
+        return os.path.join(self.directory, "records.jsonl")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, session: dict[str, Any] | None = None) -> int | None:
+        """Ask the watchdog to write its report and exit; wait for it; clean up."""
+        if self.proc.stdin is not None and self.alive():
+            try:
+                command = json.dumps({"op": "stop", "session": session or {}})
+                self.proc.stdin.write(command.encode() + b"\n")
+                self.proc.stdin.flush()
+                self.proc.stdin.close()
+            except (OSError, ValueError):
+                pass
+        try:
+            code = self.proc.wait(STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
+        return code
+
+
+def start(
+    *,
+    grace: float,
+    scale: float,
+    report: str | None,
+    session: dict[str, Any],
+    kill_after: float = 1.0,
+    timeout: float = 30.0,
+) -> WatchdogHandle:
+    """Start a watchdog for this process's session; returns once it accepts clients."""
+    directory = tempfile.mkdtemp(prefix="pytest-elastic-timer-", dir=_session_root_dir())
+    os.chmod(directory, 0o700)
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ)
+    env.pop(client.ENV_ADDRESS, None)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (package_parent, env.get("PYTHONPATH", "")) if p
+    )
+    argv = [
+        sys.executable, "-m", "pytest_elastic_timer.watchdog",
+        "--dir", directory, "--root-pid", str(os.getpid()),
+        "--grace", repr(grace), "--kill-after", repr(kill_after), "--scale", repr(scale),
+        "--session", json.dumps(session),
+    ]
+    if report:
+        argv += ["--report", os.path.abspath(report)]
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                            close_fds=True)
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        ready = sel.select(timeout)
+    line = proc.stdout.readline().decode(errors="replace").split() if ready else []
+    if len(line) != 3 or line[0] != "ready":
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(directory, ignore_errors=True)
+        raise WatchdogError(f"the watchdog did not start (it said {line!r})")
+    return WatchdogHandle(proc, line[2], directory)

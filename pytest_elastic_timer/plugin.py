@@ -1,0 +1,414 @@
+"""The pytest plugin ``elastic_timer``: options, marker, phase scopes, fixtures, reports.
+
+Hooks are laid out in the order pytest calls them. State lives in ``config.stash`` and
+``item.stash``; the watchdog is started in ``pytest_configure`` of the controller (or
+the only process) and stopped in ``pytest_unconfigure``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Generator
+
+import pytest
+from _pytest._code.code import ExceptionChainRepr, ReprEntryNative, ReprExceptionInfo
+
+from . import client, launcher, records, scopes
+from . import table as tbl
+from .scopes import ScopeExpired, TimerRequest
+
+HELP = {
+    "expires": "default call-phase budget in seconds for tests without an expires "
+               "marker (0 = none).",
+    "grace": "seconds from a scope's interrupt to the termination of its owner's "
+             "process tree (default 2).",
+    "scale": "multiply every budget by this factor (slow machines, coverage runs).",
+    "report": "write a JSON report of expired scopes to this path.",
+    "trace": "write a Chrome/Perfetto trace of all scopes to this path.",
+    "session": "budget in seconds for the whole session, phases outside tests included "
+               "(0 = none).",
+}
+MARKER = (
+    "expires(seconds, *, setup=None, teardown=None, grace=None): the test's call phase "
+    "must end within `seconds` (setup and teardown within their keywords); enforced by "
+    "the pytest-elastic-timer watchdog."
+)
+MARKER_KEYWORDS = ("seconds", "setup", "teardown", "grace")
+DEFAULT_GRACE = 2.0
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The session's options, resolved once (CLI wins over ini)."""
+
+    expires: float = 0.0
+    grace: float = DEFAULT_GRACE
+    scale: float = 1.0
+    report: str | None = None
+    trace: str | None = None
+    session: float = 0.0
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """One test's phase budgets in seconds (None = unbounded), before scaling."""
+
+    setup: float | None
+    call: float | None
+    teardown: float | None
+    grace: float | None
+
+
+@dataclass
+class SessionState:
+    settings: Settings
+    watchdog: launcher.WatchdogHandle | None = None
+    previous_env: dict[str, str | None] = field(default_factory=dict)
+    started: float = field(default_factory=time.time)
+
+
+SESSION = pytest.StashKey[SessionState]()
+BUDGETS = pytest.StashKey[Budgets]()
+CALL_SCOPE = pytest.StashKey[TimerRequest]()
+
+
+# -- options -------------------------------------------------------------------------
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("elastic-timer", "per-step deadlines (pytest-elastic-timer)")
+    options = [
+        ("--expires", "expires", "expires", "SECONDS"),
+        ("--elastic-timer-grace", "elastic_timer_grace", "grace", "SECONDS"),
+        ("--elastic-timer-scale", "elastic_timer_scale", "scale", "FACTOR"),
+        ("--elastic-timer-report", "elastic_timer_report", "report", "PATH"),
+        ("--elastic-timer-trace", "elastic_timer_trace", "trace", "PATH"),
+        ("--expires-session", "expires_session", "session", "SECONDS"),
+    ]
+    for flag, ini, key, metavar in options:
+        group.addoption(flag, dest=ini, default=None, metavar=metavar, help=HELP[key])
+        parser.addini(ini, HELP[key], default=None)
+
+
+def _option(config: pytest.Config, name: str) -> tuple[str, Any]:
+    """(where the value came from, raw value) for option ``name``; CLI wins."""
+    value = config.getoption(name)
+    if value is not None:
+        return f"--{name.replace('_', '-')}", value
+    value = config.getini(name)
+    if value not in (None, ""):
+        return f"ini option {name!r}", value
+    return "", None
+
+
+def parse_seconds(raw: object, what: str, *, allow_zero: bool = True) -> float:
+    """A finite, non-negative number of seconds from ``raw``, or ValueError naming it."""
+    if isinstance(raw, bool):
+        raise ValueError(f"{what} must be a number of seconds, not {raw!r}")
+    if isinstance(raw, (int, float)):
+        value = float(raw)
+    elif isinstance(raw, str):
+        try:
+            value = float(raw.strip())
+        except ValueError:
+            raise ValueError(f"{what} must be a number of seconds, not {raw!r}") from None
+    else:
+        raise ValueError(f"{what} must be a number of seconds, not {raw!r}")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        limit = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{what} must be a finite number {limit}, not {raw!r}")
+    return value
+
+
+def read_settings(config: pytest.Config) -> Settings:
+    def seconds(name: str, default: float, *, allow_zero: bool = True) -> float:
+        where, raw = _option(config, name)
+        if raw is None:
+            return default
+        try:
+            return parse_seconds(raw, where, allow_zero=allow_zero)
+        except ValueError as exc:
+            raise pytest.UsageError(str(exc)) from None
+
+    def path(name: str) -> str | None:
+        return _option(config, name)[1] or None
+
+    return Settings(
+        expires=seconds("expires", 0.0),
+        grace=seconds("elastic_timer_grace", DEFAULT_GRACE),
+        scale=seconds("elastic_timer_scale", 1.0, allow_zero=False),
+        report=path("elastic_timer_report"),
+        trace=path("elastic_timer_trace"),
+        session=seconds("expires_session", 0.0),
+    )
+
+
+# -- session -------------------------------------------------------------------------
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", MARKER)
+    settings = read_settings(config)
+    state = SessionState(settings)
+    config.stash[SESSION] = state
+    if hasattr(config, "workerinput"):
+        return  # an xdist worker: the controller's watchdog serves it (inherited env)
+    try:
+        handle = launcher.start(
+            grace=settings.grace, scale=settings.scale, report=settings.report,
+            session={
+                "pid": os.getpid(), "expires": settings.expires, "grace": settings.grace,
+                "scale": settings.scale, "args": list(config.invocation_params.args),
+            },
+        )
+    except (launcher.WatchdogError, OSError) as exc:
+        config.issue_config_time_warning(
+            pytest.PytestWarning(f"pytest-elastic-timer: {exc}; scopes are enforced "
+                                 "in-process only"), stacklevel=2)
+        return
+    state.watchdog = handle
+    for name, value in ((client.ENV_ADDRESS, handle.address),
+                        (client.ENV_SCALE, repr(settings.scale))):
+        state.previous_env[name] = os.environ.get(name)
+        os.environ[name] = value
+    scopes.reattach()
+    scopes.process_state()  # register the pytest process itself now
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    state = config.stash[SESSION]
+    s = state.settings
+    dog = f"watchdog pid {state.watchdog.pid}" if state.watchdog else "no watchdog"
+    default = f"{s.expires:g}s" if s.expires else "none"
+    return (f"elastic-timer: {dog}, default budget {default}, grace {s.grace:g}s, "
+            f"scale {s.scale:g}")
+
+
+# -- collection: the marker is checked where the test is defined ---------------------
+@pytest.hookimpl(wrapper=True)
+def pytest_pycollect_makeitem(collector: pytest.Collector, name: str, obj: object) -> Any:
+    result = yield
+    items = result if isinstance(result, list) else [result]
+    for item in items:
+        if isinstance(item, pytest.Item):
+            try:
+                budgets_of(item)
+            except ValueError as exc:
+                raise collector.CollectError(str(exc)) from None
+    return result
+
+
+def budgets_of(item: pytest.Item) -> Budgets:
+    """The item's phase budgets (cached); ValueError naming the test for bad input."""
+    cached = item.stash.get(BUDGETS, None)
+    if cached is not None:
+        return cached
+    settings = item.config.stash[SESSION].settings
+    marker = item.get_closest_marker("expires")
+    default = settings.expires or None
+    if marker is None:
+        budgets = Budgets(None, default, None, None)
+    else:
+        budgets = _parse_marker(item.nodeid, marker.args, marker.kwargs)
+    item.stash[BUDGETS] = budgets
+    return budgets
+
+
+def _parse_marker(nodeid: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Budgets:
+    where = f"{nodeid}: @pytest.mark.expires"
+    unknown = sorted(set(kwargs) - set(MARKER_KEYWORDS))
+    if unknown:
+        raise ValueError(f"{where}: unknown keyword {unknown[0]!r} "
+                         f"(known: {', '.join(MARKER_KEYWORDS)})")
+    if len(args) > 1:
+        raise ValueError(f"{where} takes one positional argument (seconds), got {args!r}")
+    if args and "seconds" in kwargs:
+        raise ValueError(f"{where}: seconds given twice")
+    if not args and "seconds" not in kwargs:
+        raise ValueError(f"{where} needs the number of seconds, e.g. expires(5)")
+    raw = args[0] if args else kwargs["seconds"]
+    seconds = parse_seconds(raw, f"{where} seconds")
+
+    def keyword(name: str) -> float | None:
+        value = kwargs.get(name)
+        return None if value is None else parse_seconds(value, f"{where} {name}=") or None
+
+    return Budgets(keyword("setup"), seconds or None, keyword("teardown"), keyword("grace"))
+
+
+# -- running: one scope per phase ----------------------------------------------------
+def _phase_scope(item: pytest.Item, when: str, budget: float | None,
+                 grace: float | None) -> TimerRequest:
+    scope = TimerRequest(budget, f"{item.name}::{when}", grace=grace)
+    scope.flags = tbl.FLAG_TEST_PHASE
+    scope.at = _definition(item)
+    return scope
+
+
+def _definition(item: pytest.Item) -> tuple[str, int]:
+    """Where the test is defined: the file and 1-based line its report points at."""
+    path, line, _ = item.reportinfo()
+    return str(os.path.abspath(path)), (line or 0) + 1
+
+
+def _budgets_or_fail(item: pytest.Item) -> Budgets:
+    try:
+        return budgets_of(item)
+    except ValueError as exc:  # a marker added after collection
+        pytest.fail(str(exc), pytrace=False)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
+    scopes.process_state().set_nodeid(item.nodeid)
+    budgets = _budgets_or_fail(item)
+    with _phase_scope(item, "setup", budgets.setup, budgets.grace):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
+    budgets = _budgets_or_fail(item)
+    scope = _phase_scope(item, "call", budgets.call, budgets.grace)
+    item.stash[CALL_SCOPE] = scope
+    with scope:
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
+    budgets = _budgets_or_fail(item)
+    try:
+        with _phase_scope(item, "teardown", budgets.teardown, budgets.grace):
+            return (yield)
+    finally:
+        scopes.process_state().set_nodeid("")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
+                              ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    excinfo = call.excinfo
+    if excinfo is not None and isinstance(excinfo.value, ScopeExpired) and report.failed:
+        _lead_with_scope_line(report, excinfo.value)
+    return report
+
+
+def _lead_with_scope_line(report: pytest.TestReport, exc: ScopeExpired) -> None:
+    """Make the scope line the first line of the failure and its crash message."""
+    longrepr = report.longrepr
+    line = exc.line()
+    if isinstance(longrepr, (ExceptionChainRepr, ReprExceptionInfo)):
+        first = longrepr.chain[0][0] if isinstance(longrepr, ExceptionChainRepr) else (
+            longrepr.reprtraceback)
+        first.reprentries.insert(0, ReprEntryNative([line + "\n"]))
+        if longrepr.reprcrash is not None:
+            longrepr.reprcrash.message = line
+    elif isinstance(longrepr, str):
+        report.longrepr = f"{line}\n{longrepr}"
+    report.user_properties.append(("elastic_timer_scope", exc.scope))
+
+
+# -- debugger ------------------------------------------------------------------------
+def pytest_enter_pdb(config: pytest.Config, pdb: Any) -> None:
+    scopes.suspend()
+
+
+def pytest_leave_pdb(config: pytest.Config, pdb: Any) -> None:
+    scopes.resume()
+
+
+# -- fixtures ------------------------------------------------------------------------
+class ElasticTimer:
+    """The ``elastic_timer`` fixture: the current test's budget and nested steps."""
+
+    def __init__(self, item: pytest.Item) -> None:
+        self._item = item
+
+    @property
+    def budget(self) -> float | None:
+        """The call phase's budget in seconds, scaled (None = unbounded)."""
+        call = budgets_of(self._item).call
+        if call is None:
+            return None
+        return call * scopes.process_state().scale
+
+    def remaining(self) -> float:
+        """Seconds left in the call phase (``inf`` when unbounded)."""
+        scope = self._item.stash.get(CALL_SCOPE, None)
+        if scope is not None and scope.active:
+            return scope.expires()
+        budget = self.budget
+        return math.inf if budget is None else budget
+
+    def step(self, name: str, after: float | None) -> TimerRequest:
+        """A nested scope ``name`` that must end within ``after`` seconds."""
+        return TimerRequest(after, name)
+
+    @property
+    def env(self) -> dict[str, str]:
+        """An environment for subprocesses that keeps them in this session."""
+        return dict(os.environ)
+
+
+class ElasticTimerServer:
+    """The ``elastic_timer_server`` fixture: where the session's watchdog is."""
+
+    def __init__(self, state: SessionState) -> None:
+        self._state = state
+
+    @property
+    def address(self) -> str | None:
+        return os.environ.get(client.ENV_ADDRESS) or None
+
+    @property
+    def pid(self) -> int | None:
+        state = scopes.process_state()
+        return state.watchdog_pid or None
+
+
+@pytest.fixture
+def elastic_timer(request: pytest.FixtureRequest) -> ElasticTimer:
+    """The current test's timer: ``.budget``, ``.remaining()``, ``.step()``, ``.env``."""
+    return ElasticTimer(request.node)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="session")
+def elastic_timer_server(request: pytest.FixtureRequest) -> ElasticTimerServer:
+    """The session's watchdog: ``.address`` (socket path) and ``.pid``."""
+    return ElasticTimerServer(request.config.stash[SESSION])
+
+
+# -- reporting -----------------------------------------------------------------------
+def _records(config: pytest.Config) -> list[records.ExpiryRecord]:
+    state = config.stash.get(SESSION, None)
+    if state is None or state.watchdog is None:
+        return []
+    scopes.process_state().request("sync")
+    return records.read_records(state.watchdog.records_path)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int,
+                            config: pytest.Config) -> None:
+    found = _records(config)
+    if not found:
+        return
+    terminalreporter.section("elastic-timer: expired scopes", sep="=", red=True)
+    for record in found:
+        terminalreporter.write_line(
+            records.format_record(record, with_stack=record.action != "interrupted"))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    state = config.stash.get(SESSION, None)
+    if state is None or state.watchdog is None:
+        return
+    state.watchdog.stop({"exitstatus": None})
+    for name, value in state.previous_env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    scopes.reattach()

@@ -1,0 +1,105 @@
+"""Process trees: who belongs to the session, and how a tree is ended.
+
+Every process is identified by (pid, start time), never by pid alone, so a recycled pid
+is never signalled. This module imports nothing from pytest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import psutil
+
+
+@dataclass(frozen=True)
+class ProcessId:
+    """A process identity that survives pid reuse: pid plus start time."""
+
+    pid: int
+    started: float
+
+    @classmethod
+    def of(cls, pid: int) -> ProcessId | None:
+        try:
+            return cls(pid, psutil.Process(pid).create_time())
+        except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+            return None
+
+    def process(self) -> psutil.Process | None:
+        """The live process with this identity, or None (gone, or pid reused)."""
+        try:
+            proc = psutil.Process(self.pid)
+            if proc.create_time() != self.started or proc.status() == psutil.STATUS_ZOMBIE:
+                return None
+            return proc
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return None
+
+
+def describe(proc: psutil.Process) -> dict[str, object]:
+    try:
+        cmdline = " ".join(proc.cmdline())[:300]
+        name = proc.name()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        cmdline, name = "", "?"
+    return {"pid": proc.pid, "name": name, "cmdline": cmdline}
+
+
+def descendants(proc: psutil.Process) -> list[psutil.Process]:
+    try:
+        return proc.children(recursive=True)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return []
+
+
+def is_descendant(pid: int, root: ProcessId) -> bool:
+    """Whether ``pid`` is ``root`` or runs below it (checked by start times)."""
+    try:
+        proc = psutil.Process(pid)
+        chain = [proc, *proc.parents()]
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+    return any(p.pid == root.pid and _started(p) == root.started for p in chain)
+
+
+def _started(proc: psutil.Process) -> float:
+    try:
+        return proc.create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return -1.0
+
+
+def tree_of(owner: psutil.Process, spare: set[int]) -> list[psutil.Process]:
+    """``owner`` and everything below it, deepest first (children before parents).
+
+    ``spare`` holds pids never to signal (the watchdog itself)."""
+    tree = [p for p in descendants(owner) if p.pid not in spare]
+    tree.reverse()
+    if owner.pid not in spare:
+        tree.append(owner)
+    return tree
+
+
+def send(procs: list[psutil.Process], signum: int) -> None:
+    """Signal each process of ``procs`` that is still the same process."""
+    for proc in procs:
+        _signal(proc, signum)
+
+
+def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """The processes of ``procs`` that still run (zombies count as gone)."""
+    out = []
+    for proc in procs:
+        try:
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                out.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return out
+
+
+def _signal(proc: psutil.Process, signum: int) -> None:
+    try:
+        proc.send_signal(signum)  # psutil refuses a pid that was reused meanwhile
+    except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError):
+        pass

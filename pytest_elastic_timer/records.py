@@ -1,0 +1,130 @@
+"""Expiry records and the JSON report built from them.
+
+The watchdog writes one record per expired scope, as a JSON line appended to the
+session's ``records.jsonl`` the moment the escalation ends, so a record survives the
+death of any process, pytest's included. The JSON report (``--elastic-timer-report``)
+is ``{"version": 1, "expired": [record, ...], "session": {...}}``. This module imports
+nothing from pytest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+REPORT_VERSION = 1
+ACTIONS = ("interrupted", "terminated", "killed")
+
+
+@dataclass
+class ExpiryRecord:
+    """What the report says about one expired scope (the contract fields first)."""
+
+    nodeid: str
+    scope: str
+    budget: float
+    elapsed: float
+    pid: int
+    label: str
+    worker: str
+    file: str
+    line: int
+    action: str
+    stack: str
+    children: list[dict[str, Any]] = field(default_factory=list)
+    killed: list[dict[str, Any]] = field(default_factory=list)
+    deadline: float = 0.0
+    ended: float = 0.0
+    serial: int = 0
+
+    def line_text(self) -> str:
+        """The one-line summary shared by every report of this expiry."""
+        return (
+            f"scope {self.scope!r} expired after {self.elapsed:.2f}s "
+            f"(budget {self.budget:g}s): {self.action}"
+        )
+
+    def owner_text(self) -> str:
+        parts = [f"pid {self.pid}"]
+        if self.label:
+            parts.insert(0, self.label)
+        if self.worker:
+            parts.append(f"worker {self.worker}")
+        return ", ".join(parts)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ExpiryRecord:
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+
+def split_site(site: str) -> tuple[str, int]:
+    """``"path/to/file.py:12"`` -> ``("path/to/file.py", 12)``."""
+    file, _, line = site.rpartition(":")
+    if not file or not line.isdigit():
+        return site, 0
+    return file, int(line)
+
+
+def append_record(path: str, record: ExpiryRecord) -> None:
+    line = json.dumps(record.to_json()) + "\n"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.write(fd, line.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_records(path: str) -> list[ExpiryRecord]:
+    """Every complete record in ``path`` (a torn last line is skipped)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except FileNotFoundError:
+        return []
+    records = []
+    for text in lines:
+        try:
+            records.append(ExpiryRecord.from_json(json.loads(text)))
+        except (ValueError, TypeError):
+            continue
+    return records
+
+
+def write_report(path: str, records: list[ExpiryRecord], session: dict[str, Any]) -> None:
+    """Write the JSON report atomically (a reader never sees half a file)."""
+    report = {
+        "version": REPORT_VERSION,
+        "expired": [r.to_json() for r in records],
+        "session": session,
+    }
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def format_record(record: ExpiryRecord, *, with_stack: bool = True) -> str:
+    """A multi-line text block for terminals: summary, where, who, then the stack."""
+    lines = [record.line_text()]
+    if record.nodeid:
+        lines.append(f"  test:    {record.nodeid}")
+    if record.file:
+        lines.append(f"  entered: {record.file}:{record.line}")
+    lines.append(f"  process: {record.owner_text()}")
+    if record.killed:
+        names = ", ".join(f"{p.get('pid')} ({p.get('name', '?')})" for p in record.killed)
+        lines.append(f"  ended:   {names}")
+    if with_stack and record.stack:
+        lines.append("  stack:")
+        lines.extend("    " + s for s in record.stack.rstrip().splitlines())
+    return "\n".join(lines)

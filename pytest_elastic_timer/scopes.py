@@ -1,0 +1,507 @@
+"""Timer scopes: where a deadline is entered, nested, moved and delivered.
+
+A scope is a :class:`TimerRequest`. Entering it writes one slot into this process's
+shared table (see :mod:`.table`); leaving it clears the slot. Nesting follows Trio's
+cancel scopes: the earliest deadline among the enclosing scopes is in force, and when
+several have passed, the outermost expired scope is credited.
+
+Delivery: the enforcer (the watchdog, or the in-process sentinel) sends this process
+its interrupt signal at a deadline. The handler runs in the main thread, finds the
+outermost expired scope of every thread, raises :class:`ScopeExpired` there (directly
+in the main thread, through ``PyThreadState_SetAsyncExc`` elsewhere) and reports the
+stack to the watchdog. A scope that is still open at its deadline also raises when it
+is left, so an overrun is never silent even if the signal arrives late.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import threading
+import traceback
+from time import monotonic
+from types import FrameType, TracebackType
+from typing import Any
+
+from . import client
+from . import table as tbl
+
+_PACK_SLOT = tbl.SLOT.pack_into
+_SLOTS_OFFSET = tbl.SLOTS_OFFSET
+_SLOT_SIZE = tbl.SLOT_SIZE
+_H_ARMED = tbl.H_ARMED
+_INF = math.inf
+STACK_FRAMES = 25  # innermost frames kept in a reported stack
+_EARLY = 0.001  # a signal is honoured up to 1 ms before the deadline (clock granularity)
+
+
+class ScopeExpired(TimeoutError):
+    """A timer scope overran its budget.
+
+    Attributes: ``scope`` (the scope path, e.g. ``test_train::call/allreduce``),
+    ``budget`` and ``elapsed`` (seconds), ``pid`` of the owner, ``action`` (what ended
+    the scope: ``interrupted`` when raised in the owner), ``site`` (``file:line``
+    where the scope was entered) and ``label`` (e.g. ``rank 0``).
+    """
+
+    def __init__(
+        self,
+        scope: str = "",
+        budget: float = 0.0,
+        elapsed: float = 0.0,
+        pid: int = 0,
+        action: str = "interrupted",
+        site: str = "",
+        label: str = "",
+    ) -> None:
+        self.scope = scope
+        self.budget = budget
+        self.elapsed = elapsed
+        self.pid = pid
+        self.action = action
+        self.site = site
+        self.label = label
+        super().__init__(self.line())
+
+    def line(self) -> str:
+        """The one-line summary that starts every report of this expiry."""
+        return (
+            f"scope {self.scope!r} expired after {self.elapsed:.2f}s "
+            f"(budget {self.budget:g}s): {self.action}"
+        )
+
+    def __str__(self) -> str:
+        return self.line()
+
+    def __reduce__(self) -> Any:  # crosses process boundaries (multiprocessing) intact
+        return (
+            type(self),
+            (self.scope, self.budget, self.elapsed, self.pid, self.action, self.site,
+             self.label),
+        )
+
+
+ScopeExpired.__module__ = "pytest_elastic_timer"
+TimeoutException = ScopeExpired
+
+# Exceptions waiting to be raised in threads other than main, by thread ident.
+_pending: dict[int, ScopeExpired] = {}
+
+
+class _AsyncScopeExpired(ScopeExpired):
+    """Raised in a non-main thread: ``PyThreadState_SetAsyncExc`` takes a class, so the
+    instance picks up the details the handler left for its thread."""
+
+    def __init__(self, *args: Any) -> None:
+        if args:
+            super().__init__(*args)
+            return
+        details = _pending.pop(threading.get_ident(), None) or ScopeExpired()
+        super().__init__(details.scope, details.budget, details.elapsed, details.pid,
+                         details.action, details.site, details.label)
+
+
+class _Stack(list["TimerRequest"]):
+    """The open scopes of one thread, outermost first."""
+
+    __slots__ = ("tid",)
+
+    def __init__(self, tid: int) -> None:
+        super().__init__()
+        self.tid = tid
+
+
+_tls = threading.local()
+_stacks: dict[int, _Stack] = {}
+_state: client.ProcessState | None = None
+_state_lock = threading.Lock()
+
+
+def _thread_stack() -> _Stack:
+    tid = threading.get_ident()
+    stack = _tls.stack = _Stack(tid)
+    if len(_stacks) > 256:  # forget threads that are gone
+        alive = sys._current_frames().keys()
+        for dead in [t for t in _stacks if t not in alive]:
+            del _stacks[dead]
+    _stacks[tid] = stack
+    return stack
+
+
+def process_state() -> client.ProcessState:
+    """This process's state, set up (and connected to the watchdog) on first use."""
+    global _state
+    if _state is None:
+        with _state_lock:
+            if _state is None:
+                _state = client.ProcessState(_on_interrupt)
+    return _state
+
+
+def reattach() -> None:
+    """Let the next scope connect anew (the plugin calls it once it started the
+    session's watchdog, in case a scope ran earlier against another address)."""
+    global _state
+    if _state is not None and not any(_stacks.values()):
+        old, _state = _state, None
+        old.close()
+
+
+def _forget_after_fork() -> None:
+    # The child owns none of its parent's scopes: it starts with a table of its own.
+    global _state, _tls, _state_lock
+    if _state is not None and _state.sock is not None:
+        _state.sock.close()  # our copy only; the parent's connection stays open
+    _state = None
+    _state_lock = threading.Lock()
+    _tls = threading.local()
+    _stacks.clear()
+    _pending.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def _check_budget(value: object, what: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what} must be a number of seconds, not {value!r}")
+    seconds = float(value)
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"{what} must be a finite number of seconds >= 0, not {value!r}")
+    return seconds
+
+
+class TimerRequest:
+    """A timer scope: "this block must finish within ``after`` seconds".
+
+    Use it as a context manager (``with TimerRequest(5, scope="load"):``) or with
+    :meth:`acquire` / :meth:`release`. ``after=None`` makes a scope without a deadline,
+    which only names a step in the scope path. ``grace`` overrides the session's
+    interrupt-to-terminate grace for this scope. The budget is multiplied by the
+    session's scale factor when the scope is entered.
+    """
+
+    __slots__ = ("after", "scope", "grace", "flags", "at", "path", "_site_sid", "_start",
+                 "_deadline", "_slot", "_serial", "_state", "_stack", "_delivered",
+                 "_cancelled")
+
+    def __init__(self, after: float | None, scope: str | None = None, *,
+                 grace: float | None = None) -> None:
+        self.after = _check_budget(after, "after")
+        if scope is not None and not isinstance(scope, str):
+            raise TypeError(f"scope must be a str, not {scope!r}")
+        self.scope = scope
+        self.grace = _check_budget(grace, "grace")
+        self.flags = 0
+        self.at: tuple[str, int] | None = None  # (file, line) to report instead of the caller's
+        self.path = ""
+        self._site_sid = 0
+        self._start = 0.0
+        self._deadline = _INF
+        self._slot = -1
+        self._serial = 0
+        self._state: client.ProcessState | None = None
+        self._stack: _Stack | None = None
+        self._delivered = False
+        self._cancelled = False
+
+    # -- entering and leaving -----------------------------------------------------
+    def __enter__(self) -> TimerRequest:
+        self._enter(sys._getframe(1))
+        return self
+
+    def acquire(self) -> TimerRequest:
+        """Start the scope's clock; the scope is entered at the caller's line."""
+        self._enter(sys._getframe(1))
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._exit(exc)
+
+    def release(self) -> None:
+        """End the scope; raises :class:`ScopeExpired` if it overran its deadline."""
+        self._exit(None)
+
+    def _enter(self, frame: FrameType) -> None:
+        if self._state is not None:
+            raise RuntimeError(f"scope {self.path!r} is already active")
+        state = _state or process_state()
+        try:
+            stack: _Stack = _tls.stack
+        except AttributeError:
+            stack = _thread_stack()
+        site_sid, default_name = state.site(frame) if self.at is None else state.site_at(*self.at)
+        self._site_sid = site_sid
+        path = self.path = state.path(stack[-1].path if stack else "", self.scope or default_name)
+        self._state = state
+        self._stack = stack
+        self._delivered = self._cancelled = False
+        now = self._start = monotonic()
+        after = self.after
+        if after is None:
+            self._deadline = _INF
+            self._slot = -1
+        else:
+            deadline = self._deadline = now + after * state.scale
+            slot = self._slot = state.alloc()
+            serial = self._serial = next(state.serials)
+            _PACK_SLOT(state.table.mm, _SLOTS_OFFSET + slot * _SLOT_SIZE, serial, deadline,
+                       now, stack.tid, state.sid(path), site_sid, state.nodeid_sid,
+                       self.grace if self.grace is not None else 0.0, len(stack),
+                       self.flags, 0, serial)
+            armed = state.armed[_H_ARMED]
+            if deadline < armed or not armed:
+                state.notify(deadline)
+        stack.append(self)
+
+    def _exit(self, exc: BaseException | None) -> None:
+        state = self._state
+        if state is None:
+            raise RuntimeError(f"scope {self.path or self.scope!r} is not active")
+        self._state = None
+        stack = self._stack
+        if stack:
+            if stack[-1] is self:
+                stack.pop()
+            elif self in stack:  # released out of order: the inner scopes stay open
+                stack.remove(self)
+        slot = self._slot
+        if slot >= 0 and state is _state:  # after a fork the parent's slots are not ours
+            state.table.slot_words[slot << 3] = 0
+            state.free.append(slot)
+            self._slot = -1
+            if exc is None and not self._delivered and not self._cancelled:
+                now = monotonic()
+                if now > self._deadline + _paused(state, now):
+                    self._delivered = True
+                    raise _report(self, now, "interrupted", sys._getframe(1))
+
+    # -- moving the deadline ------------------------------------------------------
+    def cancel(self) -> None:
+        """Disarm the scope: it stays open (and in the path) but never expires."""
+        self._cancelled = True
+        self._deadline = _INF
+        state = self._state
+        if state is not None and self._slot >= 0 and state is _state:
+            state.table.slot_words[self._slot << 3] = 0
+            state.free.append(self._slot)
+            self._slot = -1
+
+    def reschedule(self, after: float) -> None:
+        """Move the deadline to ``after`` seconds from now (scaled like the budget)."""
+        seconds = _check_budget(after, "after")
+        assert seconds is not None
+        state = self._state
+        if state is None:
+            self.after = seconds
+            return
+        self._set_deadline(monotonic() + seconds * state.scale)
+
+    def extend(self, seconds: float) -> None:
+        """Move the deadline ``seconds`` later (scaled like the budget)."""
+        more = _check_budget(seconds, "seconds")
+        assert more is not None
+        state = self._state
+        if state is None:
+            self.after = (self.after or 0.0) + more
+            return
+        self._set_deadline(self._deadline + more * state.scale)
+
+    def _set_deadline(self, deadline: float) -> None:
+        state = self._state
+        assert state is not None
+        if self._cancelled:
+            return
+        self._deadline = deadline
+        if self._slot < 0 and state is _state:
+            self._slot = state.alloc()
+        if self._slot >= 0 and state is _state:
+            self._serial = next(state.serials)
+            stack = self._stack
+            _PACK_SLOT(state.table.mm, _SLOTS_OFFSET + self._slot * _SLOT_SIZE, self._serial,
+                       deadline, self._start, stack.tid if stack else 0, state.sid(self.path),
+                       self._site_sid, state.nodeid_sid,
+                       self.grace if self.grace is not None else 0.0,
+                       stack.index(self) if stack and self in stack else 0, self.flags, 0,
+                       self._serial)
+            armed = state.armed[_H_ARMED]
+            if deadline < armed or not armed:
+                state.notify(deadline)
+
+    # -- asking -------------------------------------------------------------------
+    def expires(self) -> float:
+        """Seconds left before the deadline (``inf`` without one, negative if past)."""
+        if self._state is None:
+            return _INF if self.after is None else self.after
+        return self._deadline - monotonic()
+
+    def expired(self) -> bool:
+        """Whether the deadline has passed (or the scope was interrupted)."""
+        return self._delivered or (self._state is not None and monotonic() > self._deadline)
+
+    @property
+    def deadline(self) -> float:
+        """The deadline on the ``time.monotonic()`` clock (``inf`` without one)."""
+        return self._deadline
+
+    @property
+    def budget(self) -> float:
+        """The scaled budget in seconds as entered (``inf`` without a deadline)."""
+        return self._deadline - self._start if self._state is not None else (
+            _INF if self.after is None else self.after)
+
+    @property
+    def site(self) -> str:
+        """``file:line`` where the scope was entered ("" before that)."""
+        state = self._state or _state
+        return state.table.string(self._site_sid) if state is not None else ""
+
+    @property
+    def active(self) -> bool:
+        return self._state is not None
+
+    def __repr__(self) -> str:
+        return f"<TimerRequest {self.path or self.scope!r} after={self.after}>"
+
+
+def expires(after: float | None, scope: str | None = None, *,
+            grace: float | None = None) -> TimerRequest:
+    """A scope that must end within ``after`` seconds: ``with expires(2, "allreduce"):``.
+
+    The default scope name is the caller's ``file:line``.
+    """
+    return TimerRequest(after, scope, grace=grace)
+
+
+def current_scope() -> TimerRequest | None:
+    """The innermost open scope of the calling thread, if any."""
+    stack = getattr(_tls, "stack", None)
+    return stack[-1] if stack else None
+
+
+def set_label(label: str) -> None:
+    """Name this process in reports (e.g. ``"rank 0"``); default from ``RANK``."""
+    if not isinstance(label, str):
+        raise TypeError(f"label must be a str, not {label!r}")
+    process_state().set_label(label)
+
+
+# -- delivery ------------------------------------------------------------------------
+def _paused(state: client.ProcessState, now: float) -> float:
+    since = state.table.floats[tbl.H_SUSPENDED]
+    return now - since if since else 0.0
+
+
+def _report(scope: TimerRequest, now: float, action: str, frame: FrameType | None) -> ScopeExpired:
+    """The exception for ``scope``, after telling the watchdog where the owner was."""
+    state = scope._state or _state
+    pid = os.getpid()
+    label = state.label if state is not None else ""
+    budget = scope.after * state.scale if state is not None and scope.after is not None else 0.0
+    exc = ScopeExpired(scope.path, budget, now - scope._start, pid, action, scope.site, label)
+    if state is not None:
+        stack = "".join(traceback.format_stack(frame, limit=STACK_FRAMES)) if frame else ""
+        state.send("expired", serial=scope._serial, scope=scope.path, budget=budget,
+                   elapsed=now - scope._start, site=exc.site, nodeid=state.nodeid,
+                   stack=stack[-64_000:])
+    return exc
+
+
+_CRITICAL: set[Any] = set()
+
+
+def _in_critical_section(frame: FrameType | None) -> bool:
+    depth = 0
+    while frame is not None and depth < 4:
+        if frame.f_code in _CRITICAL:
+            return True
+        frame = frame.f_back
+        depth += 1
+    return False
+
+
+def _retry_soon(state: client.ProcessState) -> None:
+    timer = threading.Timer(0.002, os.kill, (os.getpid(), state.interrupt_sig))
+    timer.daemon = True
+    timer.start()
+
+
+def _on_interrupt(signum: int, frame: FrameType | None) -> None:
+    """Signal handler: raise ScopeExpired in every thread whose scope has expired."""
+    __tracebackhide__ = True
+    state = _state
+    if state is None or state.table.floats[tbl.H_SUSPENDED]:
+        return
+    now = monotonic()
+    main = threading.main_thread().ident
+    frames = sys._current_frames()
+    raise_here: ScopeExpired | None = None
+    for tid, stack in list(_stacks.items()):
+        for scope in list(stack):
+            if scope._delivered or scope._cancelled or scope._deadline > now + _EARLY:
+                continue
+            where = frame if tid == main else frames.get(tid)
+            if _in_critical_section(where):
+                _retry_soon(state)
+                break
+            for inner in stack[stack.index(scope):]:
+                inner._delivered = True  # the exception unwinds through them
+            exc = _report(scope, now, "interrupted", where)
+            if tid == main:
+                raise_here = exc
+            else:
+                _pending[tid] = exc
+                _async_raise(tid)
+            break
+    if raise_here is not None:
+        raise raise_here
+
+
+def _async_raise(tid: int) -> None:
+    import ctypes
+
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid),
+                                               ctypes.py_object(_AsyncScopeExpired))
+
+
+# -- debugger suspension -------------------------------------------------------------
+def suspend() -> None:
+    """Pause every deadline of this process (a debugger took over)."""
+    state = process_state()
+    if not state.table.floats[tbl.H_SUSPENDED]:
+        state.table.floats[tbl.H_SUSPENDED] = monotonic()
+
+
+def resume() -> None:
+    """Resume deadlines, moved later by the time spent paused."""
+    state = process_state()
+    since = state.table.floats[tbl.H_SUSPENDED]
+    if not since:
+        return
+    paused = monotonic() - since
+    earliest = _INF
+    for stack in list(_stacks.values()):
+        for scope in list(stack):
+            if scope._slot >= 0 and not scope._cancelled:
+                scope._deadline += paused
+                state.table.mm[_SLOTS_OFFSET + scope._slot * _SLOT_SIZE + 8:
+                               _SLOTS_OFFSET + scope._slot * _SLOT_SIZE + 16] = (
+                    tbl.struct.pack("<d", scope._deadline))
+                earliest = min(earliest, scope._deadline)
+    state.table.floats[tbl.H_SUSPENDED] = 0.0
+    if earliest < _INF:
+        state.notify(earliest)
+
+
+_CRITICAL.update({
+    TimerRequest._enter.__code__, TimerRequest._exit.__code__,
+    TimerRequest._set_deadline.__code__, TimerRequest.cancel.__code__,
+    client.ProcessState.alloc.__code__, client.ProcessState.notify.__code__,
+    client.ProcessState.send.__code__, client.ProcessState.sid.__code__,
+    client.ProcessState.site.__code__, client.ProcessState.path.__code__,
+    resume.__code__, _report.__code__,
+})

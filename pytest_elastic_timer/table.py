@@ -1,0 +1,217 @@
+"""The shared-memory scope table: the fast path between a process and its watchdog.
+
+Every process that enters scopes owns one table, a file mapped into memory. The owner
+writes one 64-byte slot when it enters a scope and one word when it leaves; it talks to
+the watchdog only when a new deadline is earlier than the one the watchdog already
+promised to wake for (header word ``ARMED``). The watchdog reads the slots when it wakes,
+so a scope that ends in time costs no message at all.
+
+The file lives in the session's private directory and outlives the process that wrote
+it, which is how a record can still be built for a process that was killed.
+
+Layout (little endian)::
+
+    header   4096 bytes, 8-byte words (see the ``H_*`` indexes)
+    slots    CAPACITY x 64 bytes, ``SLOT`` struct
+    strings  STRINGS_SIZE bytes, each entry u32 length + UTF-8 bytes; a string id
+             (sid) is its offset + 1, so 0 means "none"
+
+A slot is open when its first word (serial) is non-zero and equal to its last word:
+the owner writes the whole slot with one ``pack_into`` (first to last byte), and
+clears only the first word on exit, so a half-written or closed slot never reads as
+open. This module imports nothing from pytest.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+from typing import Iterator
+
+MAGIC = 0x3130_4C42_5454_4550  # b"PETTBL01" read as a little-endian u64
+VERSION = 1
+
+HEADER_SIZE = 4096
+SLOT = struct.Struct("<QddQIIIfHHIQ")
+SLOT_SIZE = SLOT.size
+CAPACITY = 65536
+STRINGS_SIZE = 8 * 1024 * 1024
+SLOTS_OFFSET = HEADER_SIZE
+STRINGS_OFFSET = SLOTS_OFFSET + CAPACITY * SLOT_SIZE
+FILE_SIZE = STRINGS_OFFSET + STRINGS_SIZE
+_U32 = struct.Struct("<I")
+
+# Header word indexes (8-byte words).
+H_MAGIC = 0
+H_VERSION = 1
+H_PID = 2
+H_ARMED = 3  # f64: the watchdog wakes for this table at or before this time; 0 = unknown
+H_SUSPENDED = 4  # f64: monotonic time since when deadlines are paused (debugger); 0 = running
+H_HWM = 5  # u64: no slot at or above this index was ever used
+H_STRINGS_USED = 6  # u64: bytes used in the strings area
+H_INTERRUPT_SIG = 7  # u64: signal that raises ScopeExpired in the owner
+H_DUMP_SIG = 8  # u64: signal that makes faulthandler dump all threads (0 = none)
+H_LABEL_SID = 9  # u64: process label, e.g. "rank 0"
+H_WORKER_SID = 10  # u64: xdist worker id
+H_MAIN_TID = 11  # u64: thread ident of the owner's main thread
+
+# Slot flags.
+FLAG_TEST_PHASE = 1  # the scope of a test phase (setup/call/teardown), entered by the plugin
+
+assert SLOT_SIZE == 64
+
+
+@dataclass(frozen=True)
+class SlotView:
+    """A consistent copy of one open slot, as the watchdog sees it."""
+
+    index: int
+    serial: int
+    deadline: float
+    start: float
+    thread_id: int
+    path_sid: int
+    site_sid: int
+    nodeid_sid: int
+    grace: float
+    depth: int
+    flags: int
+
+    @property
+    def budget(self) -> float:
+        return self.deadline - self.start
+
+
+class ScopeTable:
+    """One process's scope table, mapped from ``path``.
+
+    The owner creates it with :meth:`create`; the watchdog maps the same file with
+    :meth:`open`. Anonymous tables (``path=None``) serve in-process enforcement.
+    """
+
+    def __init__(self, mm: mmap.mmap, path: str | None) -> None:
+        self.mm = mm
+        self.path = path
+        self.words = memoryview(mm)[:HEADER_SIZE].cast("Q")
+        self.floats = memoryview(mm)[:HEADER_SIZE].cast("d")
+        # u64 view over the slots: slot i's serial is word i * 8.
+        self.slot_words = memoryview(mm)[SLOTS_OFFSET:STRINGS_OFFSET].cast("Q")
+
+    # -- creation -----------------------------------------------------------------
+    @classmethod
+    def create(cls, path: str | None) -> ScopeTable:
+        if path is None:
+            mm = mmap.mmap(-1, FILE_SIZE)
+        else:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            try:
+                os.ftruncate(fd, FILE_SIZE)  # sparse: only touched pages cost memory
+                mm = mmap.mmap(fd, FILE_SIZE)
+            finally:
+                os.close(fd)
+        table = cls(mm, path)
+        table.words[H_VERSION] = VERSION
+        table.words[H_PID] = os.getpid()
+        table.floats[H_ARMED] = 0.0
+        table.words[H_MAGIC] = MAGIC
+        return table
+
+    @classmethod
+    def open(cls, path: str) -> ScopeTable:
+        """Map an existing table; raises ``ValueError`` for anything that is not one."""
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            st = os.fstat(fd)
+            if st.st_size != FILE_SIZE:
+                raise ValueError(f"not a scope table (size {st.st_size}): {path}")
+            mm = mmap.mmap(fd, FILE_SIZE)
+        finally:
+            os.close(fd)
+        table = cls(mm, path)
+        if table.words[H_MAGIC] != MAGIC or table.words[H_VERSION] != VERSION:
+            table.close()
+            raise ValueError(f"not a scope table (bad magic or version): {path}")
+        return table
+
+    def close(self) -> None:
+        for view in (self.words, self.floats, self.slot_words):
+            view.release()
+        try:
+            self.mm.close()
+        except BufferError:  # a caller still holds a view; the mapping dies with it
+            pass
+
+    # -- strings ------------------------------------------------------------------
+    def add_string(self, text: str) -> int:
+        """Append ``text`` and return its sid (0 if the strings area is full)."""
+        data = text.encode("utf-8", "replace")[:4096]
+        used = self.words[H_STRINGS_USED]
+        if used + 4 + len(data) > STRINGS_SIZE:
+            return 0
+        offset = STRINGS_OFFSET + used
+        _U32.pack_into(self.mm, offset, len(data))
+        self.mm[offset + 4 : offset + 4 + len(data)] = data
+        self.words[H_STRINGS_USED] = used + 4 + len(data)
+        return used + 1
+
+    def string(self, sid: int) -> str:
+        """The string with id ``sid`` ("" for 0 or an id outside the written area)."""
+        if sid <= 0 or sid > self.words[H_STRINGS_USED]:
+            return ""
+        offset = STRINGS_OFFSET + sid - 1
+        (length,) = _U32.unpack_from(self.mm, offset)
+        if offset + 4 + length > FILE_SIZE:
+            return ""
+        return bytes(self.mm[offset + 4 : offset + 4 + length]).decode("utf-8", "replace")
+
+    # -- slots --------------------------------------------------------------------
+    def write_slot(
+        self,
+        index: int,
+        serial: int,
+        deadline: float,
+        start: float,
+        thread_id: int,
+        path_sid: int,
+        site_sid: int,
+        nodeid_sid: int,
+        grace: float,
+        depth: int,
+        flags: int,
+    ) -> None:
+        SLOT.pack_into(
+            self.mm,
+            SLOTS_OFFSET + index * SLOT_SIZE,
+            serial,
+            deadline,
+            start,
+            thread_id,
+            path_sid,
+            site_sid,
+            nodeid_sid,
+            grace,
+            depth,
+            flags,
+            0,
+            serial,
+        )
+
+    def clear_slot(self, index: int) -> None:
+        self.slot_words[index * 8] = 0
+
+    def read_slot(self, index: int) -> SlotView | None:
+        """The slot at ``index`` if it is open and consistent, else None."""
+        fields = SLOT.unpack_from(self.mm, SLOTS_OFFSET + index * SLOT_SIZE)
+        if fields[0] == 0 or fields[0] != fields[-1]:
+            return None
+        return SlotView(index, *fields[:10])
+
+    def open_slots(self) -> Iterator[SlotView]:
+        """Every open slot, read in one pass over the used part of the table."""
+        hwm = min(int(self.words[H_HWM]), CAPACITY)
+        region = self.mm[SLOTS_OFFSET : SLOTS_OFFSET + hwm * SLOT_SIZE]
+        for index, fields in enumerate(SLOT.iter_unpack(region)):
+            if fields[0] != 0 and fields[0] == fields[-1]:
+                yield SlotView(index, *fields[:10])

@@ -1,0 +1,53 @@
+"""The message format between processes and the watchdog.
+
+A message is one ``SOCK_SEQPACKET`` datagram holding a JSON array ``[op, {fields}]``,
+dispatched by ``op`` on the receiving side. Messages are rare (registration, a new
+earliest deadline, an interrupt's stack); scopes themselves travel through the shared
+table. Anything that does not decode to that shape is a :class:`BadMessage`, which the
+watchdog counts and drops.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+MAX_MESSAGE = 256 * 1024
+
+
+class BadMessage(ValueError):
+    """A datagram that is not a well-formed message."""
+
+
+def encode(op: str, **fields: Any) -> bytes:
+    data = json.dumps([op, fields], separators=(",", ":")).encode()
+    if len(data) > MAX_MESSAGE:
+        raise BadMessage(f"message {op!r} is {len(data)} bytes, over {MAX_MESSAGE}")
+    return data
+
+
+def decode(data: bytes) -> tuple[str, dict[str, Any]]:
+    if len(data) > MAX_MESSAGE:
+        raise BadMessage(f"message of {len(data)} bytes, over {MAX_MESSAGE}")
+    try:
+        value = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadMessage(f"not JSON: {exc}") from None
+    if (
+        not isinstance(value, list)
+        or len(value) != 2
+        or not isinstance(value[0], str)
+        or not isinstance(value[1], dict)
+    ):
+        raise BadMessage("not an [op, {fields}] array")
+    return value[0], value[1]
+
+
+def field(fields: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    """``fields[name]`` checked against ``kind`` (bool is never a number here)."""
+    value = fields.get(name)
+    if isinstance(value, bool) and kind is not bool:
+        raise BadMessage(f"field {name!r} must be {kind}, not bool")
+    if not isinstance(value, kind):
+        raise BadMessage(f"field {name!r} must be {kind}, not {type(value).__name__}")
+    return value
