@@ -19,8 +19,9 @@ import socket
 import sys
 import threading
 import uuid
+from collections.abc import Callable
 from types import CodeType, FrameType
-from typing import Any, Callable
+from typing import Any
 
 from . import table as tbl
 from . import wire
@@ -110,8 +111,10 @@ class ProcessState:
             try:
                 return self._connect(self.address)
             except (OSError, wire.BadMessage, ValueError) as exc:
-                self._warn(f"cannot reach the watchdog at {self.address} ({exc}); "
-                           "enforcing scopes in-process")
+                self._warn(
+                    f"cannot reach the watchdog at {self.address} ({exc}); "
+                    "enforcing scopes in-process"
+                )
                 self._close_socket()
         table = tbl.ScopeTable.create(None)
         self.sentinel = Sentinel(self, table)
@@ -130,8 +133,7 @@ class ProcessState:
             dump_path = os.path.join(directory, f"dump-{self.pid}-{uuid.uuid4().hex[:8]}")
             fd = os.open(dump_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
             self.dump_file = os.fdopen(fd, "w")
-            faulthandler.register(self.dump_sig, file=self.dump_file, all_threads=True,
-                                  chain=False)
+            faulthandler.register(self.dump_sig, file=self.dump_file, all_threads=True, chain=False)
         sock.sendall(wire.encode("hello", pid=self.pid, table=path, dump=dump_path))
         op, fields = wire.decode(sock.recv(wire.MAX_MESSAGE))
         if op != "welcome":
@@ -259,8 +261,7 @@ class Sentinel:
         self.cond = threading.Condition()
         self.fired: set[int] = set()
         self.stopped = False
-        self.thread = threading.Thread(target=self._run, name="elastic-timer-sentinel",
-                                       daemon=True)
+        self.thread = threading.Thread(target=self._run, name="elastic-timer-sentinel", daemon=True)
         self.thread.start()
 
     def wake(self) -> None:

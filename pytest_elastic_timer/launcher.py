@@ -84,19 +84,29 @@ def start(
     package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ)
     env.pop(client.ENV_ADDRESS, None)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (package_parent, env.get("PYTHONPATH", "")) if p
-    )
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH", "")) if p)
     argv = [
-        sys.executable, "-m", "pytest_elastic_timer.watchdog",
-        "--dir", directory, "--root-pid", str(os.getpid()),
-        "--grace", repr(grace), "--kill-after", repr(kill_after), "--scale", repr(scale),
-        "--session", json.dumps(session),
+        sys.executable,
+        "-m",
+        "pytest_elastic_timer.watchdog",
+        "--dir",
+        directory,
+        "--root-pid",
+        str(os.getpid()),
+        "--grace",
+        repr(grace),
+        "--kill-after",
+        repr(kill_after),
+        "--scale",
+        repr(scale),
+        "--session",
+        json.dumps(session),
     ]
     if report:
         argv += ["--report", os.path.abspath(report)]
-    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
-                            close_fds=True)
+    proc = subprocess.Popen(
+        argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, close_fds=True
+    )
     assert proc.stdout is not None
     with selectors.DefaultSelector() as sel:
         sel.register(proc.stdout, selectors.EVENT_READ)

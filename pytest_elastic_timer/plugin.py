@@ -10,8 +10,9 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Generator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Generator
+from typing import Any
 
 import pytest
 from _pytest._code.code import ExceptionChainRepr, ReprEntryNative, ReprExceptionInfo
@@ -22,14 +23,13 @@ from .scopes import ScopeExpired, TimerRequest
 
 HELP = {
     "expires": "default call-phase budget in seconds for tests without an expires "
-               "marker (0 = none).",
+    "marker (0 = none).",
     "grace": "seconds from a scope's interrupt to the termination of its owner's "
-             "process tree (default 2).",
+    "process tree (default 2).",
     "scale": "multiply every budget by this factor (slow machines, coverage runs).",
     "report": "write a JSON report of expired scopes to this path.",
     "trace": "write a Chrome/Perfetto trace of all scopes to this path.",
-    "session": "budget in seconds for the whole session, phases outside tests included "
-               "(0 = none).",
+    "session": "budget in seconds for the whole session, phases outside tests included (0 = none).",
 }
 MARKER = (
     "expires(seconds, *, setup=None, teardown=None, grace=None): the test's call phase "
@@ -155,20 +155,30 @@ def pytest_configure(config: pytest.Config) -> None:
         return  # an xdist worker: the controller's watchdog serves it (inherited env)
     try:
         handle = launcher.start(
-            grace=settings.grace, scale=settings.scale, report=settings.report,
+            grace=settings.grace,
+            scale=settings.scale,
+            report=settings.report,
             session={
-                "pid": os.getpid(), "expires": settings.expires, "grace": settings.grace,
-                "scale": settings.scale, "args": list(config.invocation_params.args),
+                "pid": os.getpid(),
+                "expires": settings.expires,
+                "grace": settings.grace,
+                "scale": settings.scale,
+                "args": list(config.invocation_params.args),
             },
         )
     except (launcher.WatchdogError, OSError) as exc:
         config.issue_config_time_warning(
-            pytest.PytestWarning(f"pytest-elastic-timer: {exc}; scopes are enforced "
-                                 "in-process only"), stacklevel=2)
+            pytest.PytestWarning(
+                f"pytest-elastic-timer: {exc}; scopes are enforced in-process only"
+            ),
+            stacklevel=2,
+        )
         return
     state.watchdog = handle
-    for name, value in ((client.ENV_ADDRESS, handle.address),
-                        (client.ENV_SCALE, repr(settings.scale))):
+    for name, value in (
+        (client.ENV_ADDRESS, handle.address),
+        (client.ENV_SCALE, repr(settings.scale)),
+    ):
         state.previous_env[name] = os.environ.get(name)
         os.environ[name] = value
     scopes.reattach()
@@ -180,8 +190,7 @@ def pytest_report_header(config: pytest.Config) -> str:
     s = state.settings
     dog = f"watchdog pid {state.watchdog.pid}" if state.watchdog else "no watchdog"
     default = f"{s.expires:g}s" if s.expires else "none"
-    return (f"elastic-timer: {dog}, default budget {default}, grace {s.grace:g}s, "
-            f"scale {s.scale:g}")
+    return f"elastic-timer: {dog}, default budget {default}, grace {s.grace:g}s, scale {s.scale:g}"
 
 
 # -- collection: the marker is checked where the test is defined ---------------------
@@ -214,12 +223,13 @@ def budgets_of(item: pytest.Item) -> Budgets:
     return budgets
 
 
-def _parse_marker(nodeid: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Budgets:
+def _parse_marker(nodeid: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Budgets:
     where = f"{nodeid}: @pytest.mark.expires"
     unknown = sorted(set(kwargs) - set(MARKER_KEYWORDS))
     if unknown:
-        raise ValueError(f"{where}: unknown keyword {unknown[0]!r} "
-                         f"(known: {', '.join(MARKER_KEYWORDS)})")
+        raise ValueError(
+            f"{where}: unknown keyword {unknown[0]!r} (known: {', '.join(MARKER_KEYWORDS)})"
+        )
     if len(args) > 1:
         raise ValueError(f"{where} takes one positional argument (seconds), got {args!r}")
     if args and "seconds" in kwargs:
@@ -237,8 +247,9 @@ def _parse_marker(nodeid: str, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
 
 
 # -- running: one scope per phase ----------------------------------------------------
-def _phase_scope(item: pytest.Item, when: str, budget: float | None,
-                 grace: float | None) -> TimerRequest:
+def _phase_scope(
+    item: pytest.Item, when: str, budget: float | None, grace: float | None
+) -> TimerRequest:
     scope = TimerRequest(budget, f"{item.name}::{when}", grace=grace)
     scope.flags = tbl.FLAG_TEST_PHASE
     scope.at = _definition(item)
@@ -286,8 +297,9 @@ def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
-                              ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report = yield
     excinfo = call.excinfo
     if excinfo is not None and isinstance(excinfo.value, ScopeExpired) and report.failed:
@@ -300,9 +312,12 @@ def _lead_with_scope_line(report: pytest.TestReport, exc: ScopeExpired) -> None:
     longrepr = report.longrepr
     line = exc.line()
     if isinstance(longrepr, (ExceptionChainRepr, ReprExceptionInfo)):
-        first = longrepr.chain[0][0] if isinstance(longrepr, ExceptionChainRepr) else (
-            longrepr.reprtraceback)
-        first.reprentries.insert(0, ReprEntryNative([line + "\n"]))
+        first = (
+            longrepr.chain[0][0]
+            if isinstance(longrepr, ExceptionChainRepr)
+            else (longrepr.reprtraceback)
+        )
+        first.reprentries = [ReprEntryNative([line + "\n"]), *first.reprentries]
         if longrepr.reprcrash is not None:
             longrepr.reprcrash.message = line
     elif isinstance(longrepr, str):
@@ -371,7 +386,7 @@ class ElasticTimerServer:
 @pytest.fixture
 def elastic_timer(request: pytest.FixtureRequest) -> ElasticTimer:
     """The current test's timer: ``.budget``, ``.remaining()``, ``.step()``, ``.env``."""
-    return ElasticTimer(request.node)  # type: ignore[arg-type]
+    return ElasticTimer(request.node)
 
 
 @pytest.fixture(scope="session")
@@ -389,15 +404,15 @@ def _records(config: pytest.Config) -> list[records.ExpiryRecord]:
     return records.read_records(state.watchdog.records_path)
 
 
-def pytest_terminal_summary(terminalreporter: Any, exitstatus: int,
-                            config: pytest.Config) -> None:
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     found = _records(config)
     if not found:
         return
     terminalreporter.section("elastic-timer: expired scopes", sep="=", red=True)
     for record in found:
         terminalreporter.write_line(
-            records.format_record(record, with_stack=record.action != "interrupted"))
+            records.format_record(record, with_stack=record.action != "interrupted")
+        )
 
 
 @pytest.hookimpl(trylast=True)

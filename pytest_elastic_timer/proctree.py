@@ -6,6 +6,7 @@ is never signalled. This module imports nothing from pytest.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import psutil
@@ -103,3 +104,13 @@ def _signal(proc: psutil.Process, signum: int) -> None:
         proc.send_signal(signum)  # psutil refuses a pid that was reused meanwhile
     except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError):
         pass
+
+
+def wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Wait up to ``timeout`` for ``procs`` to end; returns those still running."""
+    deadline = time.monotonic() + timeout
+    running = alive(procs)
+    while running and time.monotonic() < deadline:
+        time.sleep(0.02)
+        running = alive(running)
+    return running

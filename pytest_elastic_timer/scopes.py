@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import struct
 import sys
 import threading
 import traceback
@@ -28,6 +29,7 @@ from . import client
 from . import table as tbl
 
 _PACK_SLOT = tbl.SLOT.pack_into
+_DOUBLE = struct.Struct("<d")
 _SLOTS_OFFSET = tbl.SLOTS_OFFSET
 _SLOT_SIZE = tbl.SLOT_SIZE
 _H_ARMED = tbl.H_ARMED
@@ -77,8 +79,7 @@ class ScopeExpired(TimeoutError):
     def __reduce__(self) -> Any:  # crosses process boundaries (multiprocessing) intact
         return (
             type(self),
-            (self.scope, self.budget, self.elapsed, self.pid, self.action, self.site,
-             self.label),
+            (self.scope, self.budget, self.elapsed, self.pid, self.action, self.site, self.label),
         )
 
 
@@ -98,8 +99,15 @@ class _AsyncScopeExpired(ScopeExpired):
             super().__init__(*args)
             return
         details = _pending.pop(threading.get_ident(), None) or ScopeExpired()
-        super().__init__(details.scope, details.budget, details.elapsed, details.pid,
-                         details.action, details.site, details.label)
+        super().__init__(
+            details.scope,
+            details.budget,
+            details.elapsed,
+            details.pid,
+            details.action,
+            details.site,
+            details.label,
+        )
 
 
 class _Stack(list["TimerRequest"]):
@@ -184,12 +192,27 @@ class TimerRequest:
     session's scale factor when the scope is entered.
     """
 
-    __slots__ = ("after", "scope", "grace", "flags", "at", "path", "_site_sid", "_start",
-                 "_deadline", "_slot", "_serial", "_state", "_stack", "_delivered",
-                 "_cancelled")
+    __slots__ = (
+        "_cancelled",
+        "_deadline",
+        "_delivered",
+        "_serial",
+        "_site_sid",
+        "_slot",
+        "_stack",
+        "_start",
+        "_state",
+        "after",
+        "at",
+        "flags",
+        "grace",
+        "path",
+        "scope",
+    )
 
-    def __init__(self, after: float | None, scope: str | None = None, *,
-                 grace: float | None = None) -> None:
+    def __init__(
+        self, after: float | None, scope: str | None = None, *, grace: float | None = None
+    ) -> None:
         self.after = _check_budget(after, "after")
         if scope is not None and not isinstance(scope, str):
             raise TypeError(f"scope must be a str, not {scope!r}")
@@ -218,8 +241,12 @@ class TimerRequest:
         self._enter(sys._getframe(1))
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self._exit(exc)
 
     def release(self) -> None:
@@ -249,10 +276,22 @@ class TimerRequest:
             deadline = self._deadline = now + after * state.scale
             slot = self._slot = state.alloc()
             serial = self._serial = next(state.serials)
-            _PACK_SLOT(state.table.mm, _SLOTS_OFFSET + slot * _SLOT_SIZE, serial, deadline,
-                       now, stack.tid, state.sid(path), site_sid, state.nodeid_sid,
-                       self.grace if self.grace is not None else 0.0, len(stack),
-                       self.flags, 0, serial)
+            _PACK_SLOT(
+                state.table.mm,
+                _SLOTS_OFFSET + slot * _SLOT_SIZE,
+                serial,
+                deadline,
+                now,
+                stack.tid,
+                state.sid(path),
+                site_sid,
+                state.nodeid_sid,
+                self.grace if self.grace is not None else 0.0,
+                len(stack),
+                self.flags,
+                0,
+                serial,
+            )
             armed = state.armed[_H_ARMED]
             if deadline < armed or not armed:
                 state.notify(deadline)
@@ -322,12 +361,22 @@ class TimerRequest:
         if self._slot >= 0 and state is _state:
             self._serial = next(state.serials)
             stack = self._stack
-            _PACK_SLOT(state.table.mm, _SLOTS_OFFSET + self._slot * _SLOT_SIZE, self._serial,
-                       deadline, self._start, stack.tid if stack else 0, state.sid(self.path),
-                       self._site_sid, state.nodeid_sid,
-                       self.grace if self.grace is not None else 0.0,
-                       stack.index(self) if stack and self in stack else 0, self.flags, 0,
-                       self._serial)
+            _PACK_SLOT(
+                state.table.mm,
+                _SLOTS_OFFSET + self._slot * _SLOT_SIZE,
+                self._serial,
+                deadline,
+                self._start,
+                stack.tid if stack else 0,
+                state.sid(self.path),
+                self._site_sid,
+                state.nodeid_sid,
+                self.grace if self.grace is not None else 0.0,
+                stack.index(self) if stack and self in stack else 0,
+                self.flags,
+                0,
+                self._serial,
+            )
             armed = state.armed[_H_ARMED]
             if deadline < armed or not armed:
                 state.notify(deadline)
@@ -351,8 +400,11 @@ class TimerRequest:
     @property
     def budget(self) -> float:
         """The scaled budget in seconds as entered (``inf`` without a deadline)."""
-        return self._deadline - self._start if self._state is not None else (
-            _INF if self.after is None else self.after)
+        return (
+            self._deadline - self._start
+            if self._state is not None
+            else (_INF if self.after is None else self.after)
+        )
 
     @property
     def site(self) -> str:
@@ -368,8 +420,9 @@ class TimerRequest:
         return f"<TimerRequest {self.path or self.scope!r} after={self.after}>"
 
 
-def expires(after: float | None, scope: str | None = None, *,
-            grace: float | None = None) -> TimerRequest:
+def expires(
+    after: float | None, scope: str | None = None, *, grace: float | None = None
+) -> TimerRequest:
     """A scope that must end within ``after`` seconds: ``with expires(2, "allreduce"):``.
 
     The default scope name is the caller's ``file:line``.
@@ -405,9 +458,16 @@ def _report(scope: TimerRequest, now: float, action: str, frame: FrameType | Non
     exc = ScopeExpired(scope.path, budget, now - scope._start, pid, action, scope.site, label)
     if state is not None:
         stack = "".join(traceback.format_stack(frame, limit=STACK_FRAMES)) if frame else ""
-        state.send("expired", serial=scope._serial, scope=scope.path, budget=budget,
-                   elapsed=now - scope._start, site=exc.site, nodeid=state.nodeid,
-                   stack=stack[-64_000:])
+        state.send(
+            "expired",
+            serial=scope._serial,
+            scope=scope.path,
+            budget=budget,
+            elapsed=now - scope._start,
+            site=exc.site,
+            nodeid=state.nodeid,
+            stack=stack[-64_000:],
+        )
     return exc
 
 
@@ -448,7 +508,7 @@ def _on_interrupt(signum: int, frame: FrameType | None) -> None:
             if _in_critical_section(where):
                 _retry_soon(state)
                 break
-            for inner in stack[stack.index(scope):]:
+            for inner in stack[stack.index(scope) :]:
                 inner._delivered = True  # the exception unwinds through them
             exc = _report(scope, now, "interrupted", where)
             if tid == main:
@@ -464,8 +524,9 @@ def _on_interrupt(signum: int, frame: FrameType | None) -> None:
 def _async_raise(tid: int) -> None:
     import ctypes
 
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(tid),
-                                               ctypes.py_object(_AsyncScopeExpired))
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(tid), ctypes.py_object(_AsyncScopeExpired)
+    )
 
 
 # -- debugger suspension -------------------------------------------------------------
@@ -488,20 +549,30 @@ def resume() -> None:
         for scope in list(stack):
             if scope._slot >= 0 and not scope._cancelled:
                 scope._deadline += paused
-                state.table.mm[_SLOTS_OFFSET + scope._slot * _SLOT_SIZE + 8:
-                               _SLOTS_OFFSET + scope._slot * _SLOT_SIZE + 16] = (
-                    tbl.struct.pack("<d", scope._deadline))
+                state.table.mm[
+                    _SLOTS_OFFSET + scope._slot * _SLOT_SIZE + 8 : _SLOTS_OFFSET
+                    + scope._slot * _SLOT_SIZE
+                    + 16
+                ] = _DOUBLE.pack(scope._deadline)
                 earliest = min(earliest, scope._deadline)
     state.table.floats[tbl.H_SUSPENDED] = 0.0
     if earliest < _INF:
         state.notify(earliest)
 
 
-_CRITICAL.update({
-    TimerRequest._enter.__code__, TimerRequest._exit.__code__,
-    TimerRequest._set_deadline.__code__, TimerRequest.cancel.__code__,
-    client.ProcessState.alloc.__code__, client.ProcessState.notify.__code__,
-    client.ProcessState.send.__code__, client.ProcessState.sid.__code__,
-    client.ProcessState.site.__code__, client.ProcessState.path.__code__,
-    resume.__code__, _report.__code__,
-})
+_CRITICAL.update(
+    {
+        TimerRequest._enter.__code__,
+        TimerRequest._exit.__code__,
+        TimerRequest._set_deadline.__code__,
+        TimerRequest.cancel.__code__,
+        client.ProcessState.alloc.__code__,
+        client.ProcessState.notify.__code__,
+        client.ProcessState.send.__code__,
+        client.ProcessState.sid.__code__,
+        client.ProcessState.site.__code__,
+        client.ProcessState.path.__code__,
+        resume.__code__,
+        _report.__code__,
+    }
+)

@@ -27,8 +27,8 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 MAGIC = 0x3130_4C42_5454_4550  # b"PETTBL01" read as a little-endian u64
 VERSION = 1

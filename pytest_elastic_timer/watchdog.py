@@ -19,6 +19,7 @@ Nothing here imports pytest. Run as ``python -m pytest_elastic_timer.watchdog``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import heapq
 import itertools
 import json
@@ -30,8 +31,9 @@ import socket
 import struct
 import sys
 import time
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import psutil
 
@@ -162,8 +164,9 @@ class Watchdog:
             conn, _ = self.listener.accept()
         except BlockingIOError:
             return
-        pid, uid, _ = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
-                                                    _UCRED.size))
+        pid, uid, _ = _UCRED.unpack(
+            conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+        )
         if uid != os.getuid() or not proctree.is_descendant(pid, self.root):
             # Another user, or a process of this user outside the session: refused.
             self.dropped += 1
@@ -190,8 +193,9 @@ class Watchdog:
             except (wire.BadMessage, ValueError, TypeError, KeyError, OSError):
                 self.dropped += 1
 
-    def _dispatch(self, conn: socket.socket, peer_pid: int, op: str,
-                  fields: dict[str, Any]) -> None:
+    def _dispatch(
+        self, conn: socket.socket, peer_pid: int, op: str, fields: dict[str, Any]
+    ) -> None:
         owner = self.by_conn.get(conn)
         if op == "hello":
             self._hello(conn, peer_pid, fields)
@@ -209,10 +213,8 @@ class Watchdog:
             raise wire.BadMessage(f"unknown op {op!r}")
 
     def _send(self, conn: socket.socket, op: str, **fields: Any) -> None:
-        try:
+        with contextlib.suppress(OSError):
             conn.send(wire.encode(op, **fields))
-        except OSError:
-            pass
 
     def _hello(self, conn: socket.socket, peer_pid: int, fields: dict[str, Any]) -> None:
         if self.by_conn.get(conn) is not None:
@@ -222,8 +224,9 @@ class Watchdog:
             self._send(conn, "refused", error="pid does not match the connection")
             raise wire.BadMessage("pid mismatch")
         path = os.path.realpath(wire.field(fields, "table", str))
-        if (os.path.dirname(path) != os.path.realpath(self.directory)
-                or not os.path.basename(path).startswith(f"table-{peer_pid}-")):
+        if os.path.dirname(path) != os.path.realpath(self.directory) or not os.path.basename(
+            path
+        ).startswith(f"table-{peer_pid}-"):
             self._send(conn, "refused", error="table outside the session directory")
             raise wire.BadMessage("bad table path")
         dump = wire.field(fields, "dump", str)
@@ -250,10 +253,8 @@ class Watchdog:
 
     def _disconnected(self, conn: socket.socket) -> None:
         owner = self.by_conn.pop(conn, None)
-        try:
+        with contextlib.suppress(KeyError, ValueError):
             self.sel.unregister(conn)
-        except (KeyError, ValueError):
-            pass
         conn.close()
         if owner is not None:
             owner.conn = None
@@ -304,9 +305,7 @@ class Watchdog:
         for slot in sorted(table.open_slots(), key=lambda s: s.depth):
             if slot.deadline > now:
                 earliest = min(earliest, slot.deadline)
-            elif suspended:
-                continue
-            elif slot.serial in owner.expiries or slot.serial in owner.finished:
+            elif suspended or slot.serial in owner.expiries or slot.serial in owner.finished:
                 continue
             elif slot.thread_id in busy_threads:
                 continue  # an enclosing scope of this thread is already escalating
@@ -322,10 +321,15 @@ class Watchdog:
     def _expire(self, owner: Owner, slot: tbl.SlotView) -> None:
         table = owner.table
         expiry = Expiry(
-            slot=slot.index, serial=slot.serial, path=table.string(slot.path_sid),
-            site=table.string(slot.site_sid), nodeid=table.string(slot.nodeid_sid),
-            start=slot.start, deadline=slot.deadline,
-            grace=slot.grace if slot.grace > 0 else self.grace, thread_id=slot.thread_id,
+            slot=slot.index,
+            serial=slot.serial,
+            path=table.string(slot.path_sid),
+            site=table.string(slot.site_sid),
+            nodeid=table.string(slot.nodeid_sid),
+            start=slot.start,
+            deadline=slot.deadline,
+            grace=slot.grace if slot.grace > 0 else self.grace,
+            thread_id=slot.thread_id,
             report=owner.reports.pop(slot.serial, None),
         )
         owner.expiries[slot.serial] = expiry
@@ -343,9 +347,15 @@ class Watchdog:
             # An expiry the owner noticed first (at scope exit, or before our scan):
             # record it without interrupting again.
             expiry = Expiry(
-                slot=-1, serial=serial, path=str(fields.get("scope", "")),
-                site=str(fields.get("site", "")), nodeid=str(fields.get("nodeid", "")),
-                start=0.0, deadline=time.monotonic(), grace=self.grace, thread_id=0,
+                slot=-1,
+                serial=serial,
+                path=str(fields.get("scope", "")),
+                site=str(fields.get("site", "")),
+                nodeid=str(fields.get("nodeid", "")),
+                start=0.0,
+                deadline=time.monotonic(),
+                grace=self.grace,
+                thread_id=0,
                 report=fields,
             )
             owner.reports.pop(serial, None)
@@ -375,8 +385,7 @@ class Watchdog:
         return slot is None or slot.serial != expiry.serial or not proctree.alive([owner.proc])
 
     # -- the ladder ---------------------------------------------------------------
-    def _escalate(self, owner: Owner, expiry: Expiry, *, interrupt: bool = True
-                  ) -> Iterator[float]:
+    def _escalate(self, owner: Owner, expiry: Expiry, *, interrupt: bool = True) -> Iterator[float]:
         """The escalation ladder for one scope, as steps: each yield is a delay."""
         table = owner.table
         signum = int(table.words[tbl.H_INTERRUPT_SIG])
@@ -420,13 +429,14 @@ class Watchdog:
             while proctree.alive(survivors) and time.monotonic() < give_up:
                 yield 0.02
         unkillable = [proctree.describe(p) for p in proctree.alive(tree)]
-        record = self._record(owner, expiry, action, stack or expiry_stack(expiry), ended,
-                              children=children)
+        record = self._record(
+            owner, expiry, action, stack or expiry_stack(expiry), ended, children=children
+        )
         if unkillable:
             record_note = f"\n(still alive after SIGKILL: {unkillable})"
             record.stack += record_note
 
-    def _dump(self, owner: Owner) -> Iterator[float]:
+    def _dump(self, owner: Owner) -> Generator[float, None, str]:
         signum = int(owner.table.words[tbl.H_DUMP_SIG])
         if not signum or not owner.dump_path or not proctree.alive([owner.proc]):
             return ""
@@ -453,9 +463,16 @@ class Watchdog:
         except OSError:
             return ""
 
-    def _record(self, owner: Owner, expiry: Expiry, action: str, stack: str,
-                ended: list[dict[str, Any]], *, children: list[dict[str, Any]] | None = None
-                ) -> records.ExpiryRecord:
+    def _record(
+        self,
+        owner: Owner,
+        expiry: Expiry,
+        action: str,
+        stack: str,
+        ended: list[dict[str, Any]],
+        *,
+        children: list[dict[str, Any]] | None = None,
+    ) -> records.ExpiryRecord:
         report = expiry.report or {}
         site = expiry.site or str(report.get("site", ""))
         file, line = records.split_site(site)
@@ -467,11 +484,20 @@ class Watchdog:
         record = records.ExpiryRecord(
             nodeid=expiry.nodeid or str(report.get("nodeid", "")),
             scope=expiry.path or str(report.get("scope", "")),
-            budget=round(budget, 6), elapsed=round(elapsed, 6), pid=owner.pid,
+            budget=round(budget, 6),
+            elapsed=round(elapsed, 6),
+            pid=owner.pid,
             label=owner.header_text(tbl.H_LABEL_SID),
-            worker=owner.header_text(tbl.H_WORKER_SID), file=file, line=line,
-            action=action, stack=stack, children=children or [], killed=ended,
-            deadline=expiry.deadline, ended=now, serial=expiry.serial,
+            worker=owner.header_text(tbl.H_WORKER_SID),
+            file=file,
+            line=line,
+            action=action,
+            stack=stack,
+            children=children or [],
+            killed=ended,
+            deadline=expiry.deadline,
+            ended=now,
+            serial=expiry.serial,
         )
         owner.expiries.pop(expiry.serial, None)
         owner.finished.add(expiry.serial)
@@ -522,8 +548,13 @@ class Watchdog:
     def _print_summary(self) -> None:
         out = sys.stderr
         try:
-            out.write("\n" + "=" * 20 + " elastic-timer: expired scopes (pytest was ended) "
-                      + "=" * 20 + "\n")
+            out.write(
+                "\n"
+                + "=" * 20
+                + " elastic-timer: expired scopes (pytest was ended) "
+                + "=" * 20
+                + "\n"
+            )
             for record in self.records:
                 out.write(records.format_record(record) + "\n\n")
             if self.report_path:
@@ -552,9 +583,16 @@ def main(argv: list[str] | None = None) -> int:
     root = proctree.ProcessId.of(args.root_pid)
     if root is None:
         return 1
-    dog = Watchdog(args.dir, root=root, grace=args.grace, kill_after=args.kill_after,
-                   scale=args.scale, report_path=args.report,
-                   session=json.loads(args.session), control=sys.stdin.buffer)
+    dog = Watchdog(
+        args.dir,
+        root=root,
+        grace=args.grace,
+        kill_after=args.kill_after,
+        scale=args.scale,
+        report_path=args.report,
+        session=json.loads(args.session),
+        control=sys.stdin.buffer,
+    )
     sys.stdout.write(f"ready {os.getpid()} {dog.address}\n")
     sys.stdout.flush()
     dog.serve()
