@@ -23,9 +23,21 @@ def main() -> int:
     xdist = "--no-xdist" not in sys.argv[1:]
     report = os.path.join(tempfile.mkdtemp(prefix="elastic-timer-demo-"), "report.json")
     junit = os.path.join(os.path.dirname(report), "junit.xml")
-    argv = [sys.executable, "-m", "pytest", os.path.join(HERE, "suite"), "-p", "no:cacheprovider",
-            "--elastic-timer-report", report, "--elastic-timer-grace", "1", "--junitxml", junit,
-            "-rA"]
+    argv = [
+        sys.executable,
+        "-m",
+        "pytest",
+        os.path.join(HERE, "suite"),
+        "-p",
+        "no:cacheprovider",
+        "--elastic-timer-report",
+        report,
+        "--elastic-timer-grace",
+        "1",
+        "--junitxml",
+        junit,
+        "-rA",
+    ]
     if xdist:
         argv += ["-n", "2"]
     else:
@@ -41,9 +53,11 @@ def main() -> int:
     print(f"\n--- demo summary ({took:.1f}s) ---")
     for record in expired:
         who = ", ".join(x for x in (record["label"], f"pid {record['pid']}", record["worker"]) if x)
-        print(f"caught: {record['scope']!r} in {record['nodeid'] or '?'} "
-              f"after {record['elapsed']:.2f}s ({record['action']}; {who}; "
-              f"{os.path.basename(record['file'])}:{record['line']})")
+        print(
+            f"caught: {record['scope']!r} in {record['nodeid'] or '?'} "
+            f"after {record['elapsed']:.2f}s ({record['action']}; {who}; "
+            f"{os.path.basename(record['file'])}:{record['line']})"
+        )
     expected = _expected_hangs(xdist)
     caught = {r["scope"] for r in expired}
     missing = sorted(expected - caught)

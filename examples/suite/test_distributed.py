@@ -21,8 +21,9 @@ def _free_port() -> int:
 
 def _rank(rank: int, world: int, port: int) -> None:
     os.environ["RANK"] = str(rank)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     et.set_label(f"rank {rank}")
     if rank == 1:
         time.sleep(3600)  # rank 1 never reaches the collective: rank 0 waits forever

@@ -24,9 +24,8 @@ def test_sleep_forever():
 def test_deadlock():
     first, second = threading.Lock(), threading.Lock()
     second.acquire()
-    with et.expires(after=1, scope="take-both-locks"):
-        with first:
-            second.acquire()  # never released: a classic deadlock
+    with et.expires(after=1, scope="take-both-locks"), first:
+        second.acquire()  # never released: a classic deadlock
 
 
 @pytest.mark.hangs("test_gil_held_in_c::call")
