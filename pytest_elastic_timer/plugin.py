@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from _pytest._code.code import ExceptionChainRepr, ReprEntryNative, ReprExceptionInfo
 
-from . import client, launcher, records, scopes
+from . import client, launcher, records, scopes, xdist_support
 from . import table as tbl
 from .scopes import ScopeExpired, TimerRequest
 
@@ -151,8 +151,11 @@ def pytest_configure(config: pytest.Config) -> None:
     settings = read_settings(config)
     state = SessionState(settings)
     config.stash[SESSION] = state
+    if config.pluginmanager.hasplugin("xdist"):
+        config.pluginmanager.register(xdist_support, "elastic_timer_xdist")
     if hasattr(config, "workerinput"):
-        return  # an xdist worker: the controller's watchdog serves it (inherited env)
+        xdist_support.configure_worker(config)
+        return  # an xdist worker: the controller's watchdog serves it
     try:
         handle = launcher.start(
             grace=settings.grace,
@@ -322,7 +325,14 @@ def _lead_with_scope_line(report: pytest.TestReport, exc: ScopeExpired) -> None:
             longrepr.reprcrash.message = line
     elif isinstance(longrepr, str):
         report.longrepr = f"{line}\n{longrepr}"
-    report.user_properties.append(("elastic_timer_scope", exc.scope))
+    report.user_properties.append((xdist_support.SCOPE_PROPERTY, exc.scope))
+
+
+def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config) -> Any:
+    """Expired tests read ``T`` / ``TIMEOUT`` in the progress line and verbose output."""
+    if report.failed and any(k == xdist_support.SCOPE_PROPERTY for k, _ in report.user_properties):
+        return "failed", "T", ("TIMEOUT", {"red": True})
+    return None
 
 
 # -- debugger ------------------------------------------------------------------------

@@ -208,7 +208,12 @@ class Watchdog:
             self._reported(owner, fields)
         elif op == "sync":
             self.check_expiries()
-            self._send(conn, "synced", records=len(self.records))
+            pending = [
+                {"pid": o.pid, "worker": o.header_text(tbl.H_WORKER_SID), "nodeid": e.nodeid}
+                for o in self.owners.values()
+                for e in o.expiries.values()
+            ]
+            self._send(conn, "synced", records=len(self.records), pending=pending)
         else:
             raise wire.BadMessage(f"unknown op {op!r}")
 
@@ -459,7 +464,7 @@ class Watchdog:
         try:
             with open(owner.dump_path, "rb") as f:
                 f.seek(offset)
-                return f.read(256 * 1024).decode("utf-8", "replace")
+                return trim_dump(f.read(256 * 1024).decode("utf-8", "replace"))
         except OSError:
             return ""
 
@@ -562,6 +567,31 @@ class Watchdog:
             out.flush()
         except (OSError, ValueError):
             pass
+
+
+DUMP_FRAMES = 25  # innermost frames kept per thread of a faulthandler dump
+
+
+def trim_dump(text: str, frames: int = DUMP_FRAMES) -> str:
+    """Keep the innermost ``frames`` frames of each thread (faulthandler prints the
+    most recent call first, so the frames that matter come first)."""
+    out: list[str] = []
+    kept = dropped = 0
+    for line in text.splitlines():
+        if line.startswith("  File "):
+            if kept < frames:
+                out.append(line)
+                kept += 1
+            else:
+                dropped += 1
+            continue
+        if dropped:
+            out.append(f"  ... {dropped} outer frames")
+        kept = dropped = 0
+        out.append(line)
+    if dropped:
+        out.append(f"  ... {dropped} outer frames")
+    return "\n".join(out) + "\n" if out else ""
 
 
 def expiry_stack(expiry: Expiry) -> str:

@@ -1,0 +1,161 @@
+"""pytest-xdist integration: a worker the watchdog terminated is reported by scope.
+
+Controller side: xdist reports a dead worker's running test as "worker 'gw0' crashed
+while running ...". ``pytest_handlecrashitem`` waits for the watchdog's record of that
+worker and turns the report into a timeout report: failed in its real phase, at the
+test's location, the scope line first, the stack dump as a section.
+
+Worker side: xdist hands the crashed test back to the scheduler under some ``--dist``
+modes (loadscope, loadfile, loadgroup re-queue the whole work unit). A worker never runs
+a test again whose scope the watchdog already had to terminate: it tears down what the
+next test does not need, exactly as pytest would, and reports nothing, so the test is
+reported once.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import pytest
+from _pytest._code.code import ReprFileLocation, TerminalRepr
+from _pytest._io import TerminalWriter
+
+from . import client, records, scopes
+
+ADDRESS_KEY = "elastic_timer_address"
+SCOPE_PROPERTY = "elastic_timer_scope"
+HARD_ACTIONS = ("terminated", "killed")
+
+
+class ExpiryRepr(TerminalRepr):
+    """The failure text of a test whose process the watchdog ended."""
+
+    def __init__(self, record: records.ExpiryRecord, path: str, lineno: int) -> None:
+        self.record = record
+        self.reprcrash = ReprFileLocation(path, lineno, record.line_text())
+
+    def toterminal(self, tw: TerminalWriter) -> None:
+        tw.line(self.record.line_text(), red=True, bold=True)
+        tw.line(records.format_record(self.record, with_stack=False).split("\n", 1)[-1])
+        if self.record.stack:
+            tw.line("")
+            tw.line("stack of the owner when it was ended:")
+            tw.line(self.record.stack.rstrip())
+
+
+# -- controller ----------------------------------------------------------------------
+def pytest_configure_node(node: Any) -> None:
+    address = os.environ.get(client.ENV_ADDRESS)
+    if address:
+        node.workerinput[ADDRESS_KEY] = address
+
+
+def wait_for_record(
+    config: pytest.Config, records_path: str, nodeid: str, worker: str, patience: float
+) -> records.ExpiryRecord | None:
+    """The watchdog's record of ``nodeid`` ending on ``worker``; waits while the
+    watchdog is still escalating against that worker."""
+    give_up = time.monotonic() + patience
+    while True:
+        answer = scopes.process_state().request("sync")
+        for record in reversed(records.read_records(records_path)):
+            if record.nodeid == nodeid and record.worker == worker:
+                return record
+        pending = answer.get("pending", [])
+        busy = any(p.get("worker") == worker for p in pending if isinstance(p, dict))
+        if not busy or time.monotonic() > give_up:
+            return None
+        time.sleep(0.02)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_handlecrashitem(crashitem: str, report: pytest.TestReport, sched: Any) -> None:
+    from .plugin import SESSION
+
+    config: pytest.Config = sched.config
+    state = config.stash.get(SESSION, None)
+    if state is None or state.watchdog is None:
+        return
+    worker = str(getattr(getattr(report.node, "gateway", None), "id", ""))
+    patience = state.settings.grace + 5.0
+    record = wait_for_record(config, state.watchdog.records_path, crashitem, worker, patience)
+    if record is None:
+        return
+    _mark_done(sched, crashitem)
+    path, domain = crashitem.split("::", 1)[0], crashitem.split("::")[-1]
+    report.when = phase_of(record.scope, domain)
+    lineno = max(record.line - 1, 0) if record.file.endswith(path) else None
+    report.location = (path, lineno, domain)
+    report.longrepr = ExpiryRepr(record, path, record.line)
+    if record.stack:
+        report.sections.append(("elastic-timer stack dump", record.stack))
+    report.user_properties.append((SCOPE_PROPERTY, record.scope))
+
+
+def phase_of(scope: str, test_name: str) -> Any:
+    """The test phase a scope path belongs to (``test_x::setup/step`` -> setup)."""
+    for when in ("setup", "teardown"):
+        if scope.startswith(f"{test_name}::{when}"):
+            return when
+    return "call"
+
+
+def _mark_done(sched: Any, nodeid: str) -> None:
+    """Keep a re-queued work unit (loadscope family) from running ``nodeid`` again."""
+    workqueue = getattr(sched, "workqueue", None)
+    if not isinstance(workqueue, dict):
+        return
+    for scope, unit in list(workqueue.items()):
+        if isinstance(unit, dict) and nodeid in unit:
+            unit[nodeid] = True
+            if all(unit.values()):
+                # A unit with nothing left to run would be handed to a worker as an
+                # empty batch and keep the session from ever finishing.
+                del workqueue[scope]
+
+
+# -- worker --------------------------------------------------------------------------
+class EndedTests:
+    """The nodeids whose process the watchdog ended, read from its records file."""
+
+    def __init__(self, records_path: str) -> None:
+        self.path = records_path
+        self.size = -1
+        self.nodeids: set[str] = set()
+
+    def __contains__(self, nodeid: str) -> bool:
+        try:
+            size = os.stat(self.path).st_size
+        except OSError:
+            return False
+        if size != self.size:
+            self.size = size
+            self.nodeids = {
+                r.nodeid for r in records.read_records(self.path) if r.action in HARD_ACTIONS
+            }
+        return nodeid in self.nodeids
+
+
+ENDED = pytest.StashKey[EndedTests]()
+
+
+def configure_worker(config: pytest.Config) -> None:
+    workerinput: dict[str, Any] = getattr(config, "workerinput", {})
+    address = os.environ.get(client.ENV_ADDRESS) or workerinput.get(ADDRESS_KEY)
+    if not address:
+        return
+    os.environ[client.ENV_ADDRESS] = address
+    config.stash[ENDED] = EndedTests(os.path.join(os.path.dirname(address), "records.jsonl"))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
+    ended = item.config.stash.get(ENDED, None)
+    if ended is None or item.nodeid not in ended:
+        return None
+    setupstate = getattr(item.session, "_setupstate", None)
+    if setupstate is not None:
+        setupstate.teardown_exact(nextitem)
+    return True
