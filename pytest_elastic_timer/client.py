@@ -194,6 +194,9 @@ class ProcessState:
         self.label = label
         self.table.words[tbl.H_LABEL_SID] = self.sid(label)
 
+    def set_phase(self, phase: str) -> None:
+        self.table.words[tbl.H_PHASE_SID] = self.sid(phase)
+
     def set_nodeid(self, nodeid: str) -> None:
         self.nodeid = nodeid
         self.nodeid_sid = self.sid(nodeid)

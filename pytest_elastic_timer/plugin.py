@@ -38,6 +38,7 @@ MARKER = (
 )
 MARKER_KEYWORDS = ("seconds", "setup", "teardown", "grace")
 DEFAULT_GRACE = 2.0
+SESSION_END_GRACE = 5.0
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,8 @@ class SessionState:
     settings: Settings
     watchdog: launcher.WatchdogHandle | None = None
     previous_env: dict[str, str | None] = field(default_factory=dict)
+    session_scope: TimerRequest | None = None
+    session: pytest.Session | None = None
     started: float = field(default_factory=time.time)
 
 
@@ -196,6 +199,63 @@ def pytest_report_header(config: pytest.Config) -> str:
     return f"elastic-timer: {dog}, default budget {default}, grace {s.grace:g}s, scale {s.scale:g}"
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    config = session.config
+    state = config.stash[SESSION]
+    process = scopes.process_state()
+    process.set_phase("sessionstart")
+    budget = state.settings.session
+    if not budget:
+        return
+    controller = not hasattr(config, "workerinput") and _uses_xdist(config)
+    if controller:
+        # Workers enforce the same budget on themselves; the controller waits for
+        # their reports first, so it gets the ladder's time on top.
+        budget += state.settings.grace + 5.0
+    state.session = session
+    # After the interrupt the session still has to end (summary, reports): that gets
+    # a few seconds on top of the usual grace before the watchdog steps in.
+    scope = TimerRequest(budget, "session", grace=state.settings.grace + SESSION_END_GRACE)
+    scope.detached = True
+    scope.on_expire = lambda exc: _end_session(state, exc)
+    scope.at = (str(config.rootpath), 0)
+    scope.acquire()
+    state.session_scope = scope
+
+
+def _uses_xdist(config: pytest.Config) -> bool:
+    return config.pluginmanager.hasplugin("dsession")
+
+
+def _end_session(state: SessionState, exc: ScopeExpired) -> BaseException:
+    """A session over its budget stops where it is, with the scope line as reason."""
+    table = scopes.process_state().table
+    phase = table.string(int(table.words[tbl.H_PHASE_SID]))
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    where = ", ".join(x for x in (f"phase {phase}" if phase else "", worker) if x)
+    reason = f"{exc.line()} ({where})" if where else exc.line()
+    if state.session is not None:
+        # Where the exception is caught (a fixture finalizer records it as a teardown
+        # error), the session must still not start another test.
+        state.session.shouldstop = reason
+    if worker:
+        return exc  # xdist takes Exit in a worker for Ctrl-C: fail where it is instead
+    return pytest.exit.Exception(reason)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_collection(session: pytest.Session) -> Generator[None, None, None]:
+    scopes.process_state().set_phase("collection")
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session) -> Generator[None, None, None]:
+    scopes.process_state().set_phase("sessionfinish")
+    return (yield)
+
+
 # -- collection: the marker is checked where the test is defined ---------------------
 @pytest.hookimpl(wrapper=True)
 def pytest_pycollect_makeitem(collector: pytest.Collector, name: str, obj: object) -> Any:
@@ -274,7 +334,9 @@ def _budgets_or_fail(item: pytest.Item) -> Budgets:
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
-    scopes.process_state().set_nodeid(item.nodeid)
+    process = scopes.process_state()
+    process.set_nodeid(item.nodeid)
+    process.set_phase("setup")
     budgets = _budgets_or_fail(item)
     with _phase_scope(item, "setup", budgets.setup, budgets.grace):
         return (yield)
@@ -283,6 +345,7 @@ def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
     budgets = _budgets_or_fail(item)
+    scopes.process_state().set_phase("call")
     scope = _phase_scope(item, "call", budgets.call, budgets.grace)
     item.stash[CALL_SCOPE] = scope
     with scope:
@@ -292,11 +355,14 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
     budgets = _budgets_or_fail(item)
+    process = scopes.process_state()
+    process.set_phase("teardown")
     try:
         with _phase_scope(item, "teardown", budgets.teardown, budgets.grace):
             return (yield)
     finally:
-        scopes.process_state().set_nodeid("")
+        process.set_nodeid("")
+        process.set_phase("between tests")
 
 
 @pytest.hookimpl(wrapper=True)
@@ -428,7 +494,14 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config: pytest.Config) -> None:
     state = config.stash.get(SESSION, None)
-    if state is None or state.watchdog is None:
+    if state is None:
+        return
+    if state.session_scope is not None and state.session_scope.active:
+        try:
+            state.session_scope.release()
+        except ScopeExpired:
+            pass  # already reported: the session overran while it was ending
+    if state.watchdog is None:
         return
     state.watchdog.stop({"exitstatus": None})
     for name, value in state.previous_env.items():

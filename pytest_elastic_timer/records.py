@@ -33,6 +33,7 @@ class ExpiryRecord:
     line: int
     action: str
     stack: str
+    phase: str = ""
     children: list[dict[str, Any]] = field(default_factory=list)
     killed: list[dict[str, Any]] = field(default_factory=list)
     deadline: float = 0.0
@@ -82,19 +83,23 @@ def append_record(path: str, record: ExpiryRecord) -> None:
 
 
 def read_records(path: str) -> list[ExpiryRecord]:
-    """Every complete record in ``path`` (a torn last line is skipped)."""
+    """Every complete record in ``path`` (a torn last line is skipped); a later record
+    of the same scope (pid, serial) supersedes an earlier one."""
     try:
         with open(path, encoding="utf-8") as f:
             lines = f.readlines()
     except FileNotFoundError:
         return []
-    records = []
+    found: dict[tuple[int, int], ExpiryRecord] = {}
     for text in lines:
         try:
-            records.append(ExpiryRecord.from_json(json.loads(text)))
+            record = ExpiryRecord.from_json(json.loads(text))
         except (ValueError, TypeError):
             continue
-    return records
+        key = (record.pid, record.serial)
+        found.pop(key, None)  # re-insert: order by the latest word on each scope
+        found[key] = record
+    return list(found.values())
 
 
 def write_report(path: str, records: list[ExpiryRecord], session: dict[str, Any]) -> None:
@@ -119,8 +124,14 @@ def format_record(record: ExpiryRecord, *, with_stack: bool = True) -> str:
     if record.nodeid:
         lines.append(f"  test:    {record.nodeid}")
     if record.file:
-        lines.append(f"  entered: {record.file}:{record.line}")
+        lines.append(
+            f"  entered: {record.file}:{record.line}"
+            if record.line
+            else f"  entered: {record.file}"
+        )
     lines.append(f"  process: {record.owner_text()}")
+    if record.phase and not record.nodeid:
+        lines.append(f"  phase:   {record.phase}")
     if record.killed:
         names = ", ".join(f"{p.get('pid')} ({p.get('name', '?')})" for p in record.killed)
         lines.append(f"  ended:   {names}")

@@ -21,6 +21,7 @@ import struct
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from time import monotonic
 from types import FrameType, TracebackType
 from typing import Any
@@ -122,6 +123,7 @@ class _Stack(list["TimerRequest"]):
 
 _tls = threading.local()
 _stacks: dict[int, _Stack] = {}
+_detached: dict[int, TimerRequest] = {}  # open scopes outside every stack, by id()
 _state: client.ProcessState | None = None
 _state_lock = threading.Lock()
 
@@ -165,6 +167,7 @@ def _forget_after_fork() -> None:
     _state_lock = threading.Lock()
     _tls = threading.local()
     _stacks.clear()
+    _detached.clear()
     _pending.clear()
 
 
@@ -204,8 +207,10 @@ class TimerRequest:
         "_state",
         "after",
         "at",
+        "detached",
         "flags",
         "grace",
+        "on_expire",
         "path",
         "scope",
     )
@@ -219,6 +224,11 @@ class TimerRequest:
         self.scope = scope
         self.grace = _check_budget(grace, "grace")
         self.flags = 0
+        # A detached scope is not part of the thread's nesting (nor of scope paths):
+        # a session-wide budget around everything, or a torch-style acquire/release.
+        self.detached = False
+        # Turns the ScopeExpired about to be raised into another exception.
+        self.on_expire: Callable[[ScopeExpired], BaseException] | None = None
         self.at: tuple[str, int] | None = None  # (file, line) to report instead of the caller's
         self.path = ""
         self._site_sid = 0
@@ -263,7 +273,8 @@ class TimerRequest:
             stack = _thread_stack()
         site_sid, default_name = state.site(frame) if self.at is None else state.site_at(*self.at)
         self._site_sid = site_sid
-        path = self.path = state.path(stack[-1].path if stack else "", self.scope or default_name)
+        parent = stack[-1].path if stack and not self.detached else ""
+        path = self.path = state.path(parent, self.scope or default_name)
         self._state = state
         self._stack = stack
         self._delivered = self._cancelled = False
@@ -295,7 +306,10 @@ class TimerRequest:
             armed = state.armed[_H_ARMED]
             if deadline < armed or not armed:
                 state.notify(deadline)
-        stack.append(self)
+        if self.detached:
+            _detached[id(self)] = self
+        else:
+            stack.append(self)
 
     def _exit(self, exc: BaseException | None) -> None:
         state = self._state
@@ -303,7 +317,9 @@ class TimerRequest:
             raise RuntimeError(f"scope {self.path or self.scope!r} is not active")
         self._state = None
         stack = self._stack
-        if stack:
+        if self.detached:
+            _detached.pop(id(self), None)
+        elif stack:
             if stack[-1] is self:
                 stack.pop()
             elif self in stack:  # released out of order: the inner scopes stay open
@@ -499,20 +515,23 @@ def _on_interrupt(signum: int, frame: FrameType | None) -> None:
     now = monotonic()
     main = threading.main_thread().ident
     frames = sys._current_frames()
-    raise_here: ScopeExpired | None = None
+    raise_here: BaseException | None = None
+    detached = list(_detached.values())
     for tid, stack in list(_stacks.items()):
-        for scope in list(stack):
+        # Outermost first: detached scopes enclose everything the thread does.
+        candidates = [d for d in detached if d._stack is stack] + list(stack)
+        for scope in candidates:
             if scope._delivered or scope._cancelled or scope._deadline > now + _EARLY:
                 continue
             where = frame if tid == main else frames.get(tid)
             if _in_critical_section(where):
                 _retry_soon(state)
                 break
-            for inner in stack[stack.index(scope) :]:
+            for inner in candidates[candidates.index(scope) :]:
                 inner._delivered = True  # the exception unwinds through them
             exc = _report(scope, now, "interrupted", where)
             if tid == main:
-                raise_here = exc
+                raise_here = scope.on_expire(exc) if scope.on_expire else exc
             else:
                 _pending[tid] = exc
                 _async_raise(tid)

@@ -61,6 +61,7 @@ class Expiry:
     grace: float
     thread_id: int
     report: dict[str, Any] | None = None  # what the owner said when it raised
+    recorded: bool = False  # a preliminary record was written
     steps: Iterator[float] | None = None
 
 
@@ -272,8 +273,8 @@ class Watchdog:
             data = os.read(stream.fileno(), 65536)
         except BlockingIOError:
             return
-        if not data:  # our parent, the pytest process, is gone
-            self.root_died = True
+        if not data:  # stdin closed: after "stop", or because the pytest process is gone
+            self.root_died = not self.stopping
             self.stopping = True
             self.sel.unregister(stream)
             return
@@ -347,6 +348,9 @@ class Watchdog:
         expiry = owner.expiries.get(serial)
         if expiry is not None:
             expiry.report = fields
+            # Recorded now, so a report made before the scope closes lists it; a later
+            # escalation writes a record that supersedes this one.
+            self._record(owner, expiry, "interrupted", expiry_stack(expiry), [], final=False)
         elif serial not in owner.finished:
             owner.reports[serial] = fields
             # An expiry the owner noticed first (at scope exit, or before our scan):
@@ -401,7 +405,9 @@ class Watchdog:
             if self._closed(owner, expiry):
                 if owner.conn is not None:
                     self._readable(owner.conn, owner.pid)  # its report may be in flight
-                if expiry.report is not None or not proctree.alive([owner.proc]):
+                if expiry.recorded:
+                    self._forget(owner, expiry)
+                elif expiry.report is not None or not proctree.alive([owner.proc]):
                     self._record(owner, expiry, "interrupted", expiry_stack(expiry), [])
                 else:
                     owner.finished.add(expiry.serial)  # unwound by an enclosing scope
@@ -477,6 +483,7 @@ class Watchdog:
         ended: list[dict[str, Any]],
         *,
         children: list[dict[str, Any]] | None = None,
+        final: bool = True,
     ) -> records.ExpiryRecord:
         report = expiry.report or {}
         site = expiry.site or str(report.get("site", ""))
@@ -498,17 +505,25 @@ class Watchdog:
             line=line,
             action=action,
             stack=stack,
+            phase=owner.header_text(tbl.H_PHASE_SID),
             children=children or [],
             killed=ended,
             deadline=expiry.deadline,
             ended=now,
             serial=expiry.serial,
         )
-        owner.expiries.pop(expiry.serial, None)
-        owner.finished.add(expiry.serial)
+        if final:
+            self._forget(owner, expiry)
+        else:
+            expiry.recorded = True
+        self.records = [r for r in self.records if (r.pid, r.serial) != (record.pid, record.serial)]
         self.records.append(record)
         records.append_record(self.records_path, record)
         return record
+
+    def _forget(self, owner: Owner, expiry: Expiry) -> None:
+        owner.expiries.pop(expiry.serial, None)
+        owner.finished.add(expiry.serial)
 
     # -- the end ------------------------------------------------------------------
     def finish(self) -> None:
