@@ -14,11 +14,14 @@ from .scopes import (
     expires,
     set_label,
 )
+from .torch_compat import TimerClient, configure_torch
 
 __all__ = [
     "ScopeExpired",
     "TimeoutException",
+    "TimerClient",
     "TimerRequest",
+    "configure_torch",
     "current_scope",
     "expires",
     "set_label",

@@ -23,8 +23,8 @@ from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any
 
+from . import startup, wire
 from . import table as tbl
-from . import wire
 
 ENV_ADDRESS = "PYTEST_ELASTIC_TIMER"
 ENV_SCALE = "PYTEST_ELASTIC_TIMER_SCALE"  # scale factor where no watchdog tells it
@@ -47,7 +47,8 @@ def _free_signals(count: int, ours: SignalHandler) -> list[int]:
     when its handler is the default one, or ours (after a fork).
     """
     if hasattr(signal, "SIGRTMIN"):
-        candidates = list(range(signal.SIGRTMIN + 2, signal.SIGRTMAX - 1))
+        reserved = startup.session_dump_signal()
+        candidates = [s for s in range(signal.SIGRTMIN + 2, signal.SIGRTMAX - 1) if s != reserved]
     else:  # macOS and friends have no real-time signals
         candidates = [signal.SIGUSR1, signal.SIGUSR2]
     chosen = []
@@ -97,9 +98,14 @@ class ProcessState:
             # signal.signal() works only in the main thread; such a process gets no soft
             # interrupt, the watchdog goes straight to dump and terminate after grace.
             return 0, 0
-        free = _free_signals(2, on_interrupt)
+        preset = getattr(sys, "_pytest_elastic_timer_dump", None)  # see startup.py
+        free = [s for s in _free_signals(3, on_interrupt) if not preset or s != preset[0]]
         interrupt_sig = free[0] if free else 0
-        dump_sig = free[1] if len(free) > 1 else 0
+        if preset:
+            dump_sig = int(preset[0])
+            self.dump_file = preset[1]
+        else:
+            dump_sig = free[1] if len(free) > 1 else 0
         if interrupt_sig:
             # Python installs handlers without SA_RESTART: a blocking system call returns
             # EINTR, the handler runs (and raises), and other code retries (PEP 475).
@@ -129,7 +135,10 @@ class ProcessState:
         path = os.path.join(directory, f"table-{self.pid}-{uuid.uuid4().hex[:8]}")
         table = tbl.ScopeTable.create(path)
         dump_path = ""
-        if self.dump_sig:
+        preset = getattr(sys, "_pytest_elastic_timer_dump", None)
+        if preset and self.dump_sig == preset[0]:
+            dump_path = preset[1].name  # registered at start-up already
+        elif self.dump_sig:
             dump_path = os.path.join(directory, f"dump-{self.pid}-{uuid.uuid4().hex[:8]}")
             fd = os.open(dump_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
             self.dump_file = os.fdopen(fd, "w")

@@ -77,6 +77,7 @@ def start(
     session: dict[str, Any],
     kill_after: float = 1.0,
     timeout: float = 30.0,
+    dump_signal: int = 0,
 ) -> WatchdogHandle:
     """Start a watchdog for this process's session; returns once it accepts clients."""
     directory = tempfile.mkdtemp(prefix="pytest-elastic-timer-", dir=_session_root_dir())
@@ -104,6 +105,8 @@ def start(
     ]
     if report:
         argv += ["--report", os.path.abspath(report)]
+    if dump_signal:
+        argv += ["--dump-signal", str(dump_signal)]
     proc = subprocess.Popen(
         argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, close_fds=True
     )

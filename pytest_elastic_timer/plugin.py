@@ -10,14 +10,16 @@ from __future__ import annotations
 import math
 import os
 import time
+import warnings
 from collections.abc import Generator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
 import pytest
 from _pytest._code.code import ExceptionChainRepr, ReprEntryNative, ReprExceptionInfo
 
-from . import client, launcher, records, scopes, xdist_support
+from . import client, launcher, leaks, proctree, records, scopes, startup, xdist_support
 from . import table as tbl
 from .scopes import ScopeExpired, TimerRequest
 
@@ -30,6 +32,8 @@ HELP = {
     "report": "write a JSON report of expired scopes to this path.",
     "trace": "write a Chrome/Perfetto trace of all scopes to this path.",
     "session": "budget in seconds for the whole session, phases outside tests included (0 = none).",
+    "leaks": "what to do with processes a test started in its call phase and left running "
+    "after its teardown: kill (default; also warns), warn, or off.",
 }
 MARKER = (
     "expires(seconds, *, setup=None, teardown=None, grace=None): the test's call phase "
@@ -51,6 +55,7 @@ class Settings:
     report: str | None = None
     trace: str | None = None
     session: float = 0.0
+    leaks: str = "kill"
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,7 @@ class SessionState:
 SESSION = pytest.StashKey[SessionState]()
 BUDGETS = pytest.StashKey[Budgets]()
 CALL_SCOPE = pytest.StashKey[TimerRequest]()
+CHILDREN_AT_CALL = pytest.StashKey[set[int]]()
 
 
 # -- options -------------------------------------------------------------------------
@@ -88,6 +94,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         ("--elastic-timer-report", "elastic_timer_report", "report", "PATH"),
         ("--elastic-timer-trace", "elastic_timer_trace", "trace", "PATH"),
         ("--expires-session", "expires_session", "session", "SECONDS"),
+        ("--elastic-timer-leaks", "elastic_timer_leaks", "leaks", "kill|warn|off"),
     ]
     for flag, ini, key, metavar in options:
         group.addoption(flag, dest=ini, default=None, metavar=metavar, help=HELP[key])
@@ -137,6 +144,14 @@ def read_settings(config: pytest.Config) -> Settings:
     def path(name: str) -> str | None:
         return _option(config, name)[1] or None
 
+    def choice(name: str, allowed: tuple[str, ...], default: str) -> str:
+        where, raw = _option(config, name)
+        if raw is None:
+            return default
+        if str(raw).strip() not in allowed:
+            raise pytest.UsageError(f"{where} must be one of {', '.join(allowed)}, not {raw!r}")
+        return str(raw).strip()
+
     return Settings(
         expires=seconds("expires", 0.0),
         grace=seconds("elastic_timer_grace", DEFAULT_GRACE),
@@ -144,6 +159,7 @@ def read_settings(config: pytest.Config) -> Settings:
         report=path("elastic_timer_report"),
         trace=path("elastic_timer_trace"),
         session=seconds("expires_session", 0.0),
+        leaks=choice("elastic_timer_leaks", ("kill", "warn", "off"), "kill"),
     )
 
 
@@ -156,6 +172,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[SESSION] = state
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(xdist_support, "elastic_timer_xdist")
+    if settings.leaks != "off":
+        leaks.become_subreaper()
     if hasattr(config, "workerinput"):
         xdist_support.configure_worker(config)
         return  # an xdist worker: the controller's watchdog serves it
@@ -171,6 +189,7 @@ def pytest_configure(config: pytest.Config) -> None:
                 "scale": settings.scale,
                 "args": list(config.invocation_params.args),
             },
+            dump_signal=startup.session_dump_signal(),
         )
     except (launcher.WatchdogError, OSError) as exc:
         config.issue_config_time_warning(
@@ -181,9 +200,14 @@ def pytest_configure(config: pytest.Config) -> None:
         )
         return
     state.watchdog = handle
+    python_path = os.pathsep.join(
+        p for p in (startup.install(handle.directory), os.environ.get("PYTHONPATH")) if p
+    )
     for name, value in (
         (client.ENV_ADDRESS, handle.address),
         (client.ENV_SCALE, repr(settings.scale)),
+        (startup.ENV_DUMP_SIGNAL, str(startup.session_dump_signal())),
+        ("PYTHONPATH", python_path),
     ):
         state.previous_env[name] = os.environ.get(name)
         os.environ[name] = value
@@ -346,6 +370,8 @@ def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
     budgets = _budgets_or_fail(item)
     scopes.process_state().set_phase("call")
+    if item.config.stash[SESSION].settings.leaks != "off":
+        item.stash[CHILDREN_AT_CALL] = leaks.direct_children()
     scope = _phase_scope(item, "call", budgets.call, budgets.grace)
     item.stash[CALL_SCOPE] = scope
     with scope:
@@ -363,6 +389,42 @@ def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
     finally:
         process.set_nodeid("")
         process.set_phase("between tests")
+        _check_leaks(item)
+
+
+def _check_leaks(item: pytest.Item) -> None:
+    before = item.stash.get(CHILDREN_AT_CALL, None)
+    if before is None:
+        return
+    state = item.config.stash[SESSION]
+    ours = {state.watchdog.pid} if state.watchdog else set()
+    new = leaks.direct_children() - before - ours
+    if not new:
+        return
+    mode = state.settings.leaks
+    left = leaks.end_leaks(new) if mode == "kill" else [proctree.describe(p) for p in _alive(new)]
+    if left:
+        names = ", ".join(
+            f"{p['pid']} ({' '.join(str(p['cmdline']).split())[:80] or p['name']})" for p in left
+        )
+        done = "ended" if mode == "kill" else "still running"
+        warnings.warn(
+            pytest.PytestWarning(
+                f"{item.nodeid} left {len(left)} process(es) running after its teardown "
+                f"({done}): {names}"
+            ),
+            stacklevel=1,
+        )
+
+
+def _alive(pids: set[int]) -> list[psutil.Process]:
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            continue
+    return proctree.alive(procs)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -373,7 +435,29 @@ def pytest_runtest_makereport(
     excinfo = call.excinfo
     if excinfo is not None and isinstance(excinfo.value, ScopeExpired) and report.failed:
         _lead_with_scope_line(report, excinfo.value)
+    if report.failed:
+        _add_process_sections(item, report)
     return report
+
+
+def _add_process_sections(item: pytest.Item, report: pytest.TestReport) -> None:
+    """Expiries in processes the test started (ranks), and where its children were."""
+    me = os.getpid()
+    for record in _records(item.config):
+        if record.nodeid != item.nodeid:
+            continue
+        if record.pid != me:
+            report.sections.append(
+                (f"elastic-timer: expired in {record.owner_text()}", records.format_record(record))
+            )
+        for child in record.children:
+            if child.get("stack"):
+                who = ", ".join(
+                    str(x) for x in (child.get("label"), f"pid {child.get('pid')}") if x
+                )
+                report.sections.append(
+                    (f"elastic-timer: stack of {who} at expiry", str(child["stack"]))
+                )
 
 
 def _lead_with_scope_line(report: pytest.TestReport, exc: ScopeExpired) -> None:

@@ -46,6 +46,19 @@ def describe(proc: psutil.Process) -> dict[str, object]:
     return {"pid": proc.pid, "name": name, "cmdline": cmdline}
 
 
+def label_of(proc: psutil.Process) -> str:
+    """``rank N`` from the process's RANK / LOCAL_RANK environment, else ""."""
+    try:
+        env = proc.environ()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return ""
+    for name in ("RANK", "LOCAL_RANK"):
+        value = env.get(name, "")
+        if value.isdigit():
+            return f"rank {value}"
+    return ""
+
+
 def descendants(proc: psutil.Process) -> list[psutil.Process]:
     try:
         return proc.children(recursive=True)

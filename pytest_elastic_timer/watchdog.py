@@ -37,7 +37,7 @@ from typing import Any
 
 import psutil
 
-from . import proctree, records, wire
+from . import proctree, records, startup, wire
 from . import table as tbl
 
 SOCKET_NAME = "watchdog.sock"
@@ -61,6 +61,7 @@ class Expiry:
     grace: float
     thread_id: int
     report: dict[str, Any] | None = None  # what the owner said when it raised
+    children: list[dict[str, Any]] = field(default_factory=list)  # their stacks at expiry
     recorded: bool = False  # a preliminary record was written
     steps: Iterator[float] | None = None
 
@@ -101,6 +102,7 @@ class Watchdog:
         report_path: str | None = None,
         session: dict[str, Any] | None = None,
         control: Any = None,
+        dump_signal: int = 0,
     ) -> None:
         self.directory = directory
         self.address = os.path.join(directory, SOCKET_NAME)
@@ -110,6 +112,7 @@ class Watchdog:
         self.kill_after = kill_after
         self.scale = scale
         self.report_path = report_path
+        self.dump_signal = dump_signal  # every Python process of the session dumps on it
         self.session = dict(session or {})
         self.session.setdefault("started", time.time())
         self.records: list[records.ExpiryRecord] = []
@@ -397,6 +400,10 @@ class Watchdog:
     def _escalate(self, owner: Owner, expiry: Expiry, *, interrupt: bool = True) -> Iterator[float]:
         """The escalation ladder for one scope, as steps: each yield is a delay."""
         table = owner.table
+        # First the stacks of everything the owner started: once the owner is
+        # interrupted, harnesses tear their ranks down and the evidence is gone.
+        if interrupt:
+            expiry.children = yield from self._dump_descendants(owner)
         signum = int(table.words[tbl.H_INTERRUPT_SIG])
         if interrupt and signum:
             proctree.send([owner.proc], signum)
@@ -423,7 +430,8 @@ class Watchdog:
         # Dump: every thread's Python stack, then who the owner's children are.
         stack = yield from self._dump(owner)
         tree = proctree.tree_of(owner.proc, {os.getpid()})
-        children = [proctree.describe(p) for p in tree if p.pid != owner.pid]
+        if not expiry.children:
+            expiry.children = [proctree.describe(p) for p in tree if p.pid != owner.pid]
         ended = [proctree.describe(p) for p in tree]
         proctree.send(tree, signal.SIGTERM)
         proctree.send(tree, signal.SIGCONT)  # a stopped process acts on SIGTERM once it runs
@@ -440,12 +448,41 @@ class Watchdog:
             while proctree.alive(survivors) and time.monotonic() < give_up:
                 yield 0.02
         unkillable = [proctree.describe(p) for p in proctree.alive(tree)]
-        record = self._record(
-            owner, expiry, action, stack or expiry_stack(expiry), ended, children=children
-        )
+        record = self._record(owner, expiry, action, stack or expiry_stack(expiry), ended)
         if unkillable:
             record_note = f"\n(still alive after SIGKILL: {unkillable})"
             record.stack += record_note
+
+    def _dump_descendants(self, owner: Owner) -> Generator[float, None, list[dict[str, Any]]]:
+        """Stacks of the owner's descendants that have the session's dump handler."""
+        signum = self.dump_signal
+        found: list[tuple[dict[str, Any], str, int]] = []
+        for proc in proctree.descendants(owner.proc):
+            info = proctree.describe(proc)
+            info["label"] = proctree.label_of(proc)
+            path = startup.dump_path(self.directory, proc.pid)
+            if signum and proc.pid != os.getpid() and startup.catches(proc.pid, signum):
+                offset = _size(path)
+                proctree.send([proc], signum)
+                found.append((info, path, offset))
+            else:
+                found.append((info, "", 0))
+        waiting = [(path, offset) for _, path, offset in found if path]
+        sizes: dict[str, int] = {}
+        give_up = time.monotonic() + 0.3
+        while waiting and time.monotonic() < give_up:
+            yield 0.01
+            now_sizes = {path: _size(path) for path, _ in waiting}
+            grown = all(now_sizes[p] > offset for p, offset in waiting)
+            if grown and now_sizes == sizes:
+                break
+            sizes = now_sizes
+        out = []
+        for info, path, offset in found:
+            if path:
+                info["stack"] = _read_from(path, offset)
+            out.append(info)
+        return out
 
     def _dump(self, owner: Owner) -> Generator[float, None, str]:
         signum = int(owner.table.words[tbl.H_DUMP_SIG])
@@ -467,12 +504,7 @@ class Watchdog:
                 size, stable_since = now_size, time.monotonic()
             elif size > offset and time.monotonic() - stable_since > 0.02:
                 break
-        try:
-            with open(owner.dump_path, "rb") as f:
-                f.seek(offset)
-                return trim_dump(f.read(256 * 1024).decode("utf-8", "replace"))
-        except OSError:
-            return ""
+        return _read_from(owner.dump_path, offset)
 
     def _record(
         self,
@@ -506,7 +538,7 @@ class Watchdog:
             action=action,
             stack=stack,
             phase=owner.header_text(tbl.H_PHASE_SID),
-            children=children or [],
+            children=expiry.children,
             killed=ended,
             deadline=expiry.deadline,
             ended=now,
@@ -584,6 +616,22 @@ class Watchdog:
             pass
 
 
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _read_from(path: str, offset: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return trim_dump(f.read(256 * 1024).decode("utf-8", "replace"))
+    except OSError:
+        return ""
+
+
 DUMP_FRAMES = 25  # innermost frames kept per thread of a faulthandler dump
 
 
@@ -622,6 +670,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--report", default=None)
     parser.add_argument("--session", default="{}", help="JSON facts for the report")
+    parser.add_argument("--dump-signal", type=int, default=0)
     args = parser.parse_args(argv)
     # Ctrl-C reaches the whole process group; pytest decides how the session ends.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -637,6 +686,7 @@ def main(argv: list[str] | None = None) -> int:
         report_path=args.report,
         session=json.loads(args.session),
         control=sys.stdin.buffer,
+        dump_signal=args.dump_signal,
     )
     sys.stdout.write(f"ready {os.getpid()} {dog.address}\n")
     sys.stdout.flush()

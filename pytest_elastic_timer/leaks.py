@@ -1,0 +1,83 @@
+"""Processes a test leaves running: found after the test, reported, and ended.
+
+A process is a test's leak when it became a child of the test process during the test's
+call phase (fixtures start their servers in setup, which is left out) and still runs
+when the test's teardown is over. The pytest process is made a child subreaper (Linux),
+so a double-forked daemon or a grandchild whose parent exited is adopted by it and seen
+too. Children are read from ``/proc/self/task/*/children``: two small reads per test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import os
+import signal
+import threading
+
+import psutil
+
+from . import proctree
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> bool:
+    """Adopt orphaned descendants (Linux); False where the system does not support it."""
+    if not os.path.exists("/proc/self/task"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return bool(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
+    except (OSError, AttributeError):
+        return False
+
+
+def direct_children() -> set[int]:
+    """Pids of this process's children (any thread's), as the kernel lists them."""
+    tasks = [str(threading.main_thread().native_id or os.getpid())]
+    if threading.active_count() > 1:
+        with contextlib.suppress(OSError):
+            tasks = os.listdir("/proc/self/task")
+    pids: set[int] = set()
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/children", encoding="ascii") as f:
+                pids.update(int(p) for p in f.read().split())
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+def end_leaks(pids: set[int], kill_after: float = 1.0) -> list[dict[str, object]]:
+    """End the trees of ``pids`` that still run; reap those that are our children.
+
+    Returns a description of each process that was still running.
+    """
+    procs: list[psutil.Process] = []
+    for pid in sorted(pids):
+        try:
+            proc = psutil.Process(pid)
+        except psutil.NoSuchProcess:
+            continue
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            _reap(pid)
+            continue
+        procs.extend(proctree.tree_of(proc, {os.getpid()}))
+    if not procs:
+        return []
+    described = [proctree.describe(p) for p in procs]
+    proctree.send(procs, signal.SIGTERM)
+    proctree.send(procs, signal.SIGCONT)
+    survivors = proctree.wait_gone(procs, kill_after)
+    proctree.send(survivors, signal.SIGKILL)
+    proctree.wait_gone(survivors, 2.0)
+    for pid in pids:
+        _reap(pid)
+    return described
+
+
+def _reap(pid: int) -> None:
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)

@@ -1,0 +1,83 @@
+"""Compatibility with ``torch.distributed.elastic.timer`` clients.
+
+``TimerClient`` duck-types torch's ``TimerClient`` (``acquire(scope_id,
+expiration_time)`` / ``release(scope_id)``), so torch's own ``expires()`` context
+manager and code written against torch's timer API are enforced by the session's
+watchdog: the scope is interrupted first (``ScopeExpired``), and only then dumped and
+terminated, instead of torch's silent SIGKILL of one pid. torch itself is imported only
+by :func:`configure_torch`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from types import FrameType
+from typing import Any, cast
+
+from .scopes import TimerRequest
+
+# Frames of these files are skipped when looking for the line that entered a scope:
+# torch's expires() calls acquire() from a contextlib generator.
+_SKIP_PARTS = (
+    os.sep + "contextlib.py",
+    os.path.join("torch", "distributed", "elastic", "timer") + os.sep,
+    os.path.join("pytest_elastic_timer", "torch_compat.py"),
+)
+
+
+def _caller(frame: FrameType | None) -> tuple[str, int] | None:
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not any(part in filename for part in _SKIP_PARTS):
+            return filename, frame.f_lineno
+        frame = frame.f_back
+    return None
+
+
+class TimerClient:
+    """A torch ``TimerClient`` whose timers are scopes of this session.
+
+    ``expiration_time`` is an absolute ``time.time()`` value, as torch's ``expires()``
+    passes it; it is converted to the monotonic clock once, at acquire. Scopes with the
+    same ``scope_id`` may be acquired repeatedly (re-entrantly); ``release`` ends the most
+    recent one of the calling thread.
+    """
+
+    def __init__(self) -> None:
+        self._open: dict[tuple[int, str], list[TimerRequest]] = {}
+        self._lock = threading.Lock()
+
+    def acquire(self, scope_id: str, expiration_time: float) -> None:
+        """Open scope ``scope_id`` that expires at wall-clock ``expiration_time``."""
+        after = round(max(0.0, float(expiration_time) - time.time()), 3)
+        scope = TimerRequest(after, str(scope_id))
+        scope.at = _caller(sys._getframe(1))
+        scope.acquire()
+        key = (threading.get_ident(), str(scope_id))
+        with self._lock:
+            self._open.setdefault(key, []).append(scope)
+
+    def release(self, scope_id: str) -> None:
+        """End the latest open scope ``scope_id`` of this thread (no-op if none)."""
+        key = (threading.get_ident(), str(scope_id))
+        with self._lock:
+            stack = self._open.get(key)
+            if not stack:
+                return
+            scope = stack.pop()
+            if not stack:
+                del self._open[key]
+        if scope.active:
+            scope.release()
+
+
+def configure_torch() -> TimerClient:
+    """``torch.distributed.elastic.timer.configure(TimerClient())``; returns the client."""
+    from torch.distributed.elastic.timer import api
+
+    client = TimerClient()
+    cast(Any, api).configure(client)  # duck-typed: not a subclass of torch's TimerClient
+    return client
