@@ -19,7 +19,7 @@ import psutil
 import pytest
 from _pytest._code.code import ExceptionChainRepr, ReprEntryNative, ReprExceptionInfo
 
-from . import client, launcher, leaks, proctree, records, scopes, startup, xdist_support
+from . import client, file_timer, launcher, leaks, proctree, records, scopes, startup, xdist_support
 from . import table as tbl
 from .scopes import ScopeExpired, TimerRequest
 
@@ -207,6 +207,7 @@ def pytest_configure(config: pytest.Config) -> None:
         (client.ENV_ADDRESS, handle.address),
         (client.ENV_SCALE, repr(settings.scale)),
         (startup.ENV_DUMP_SIGNAL, str(startup.session_dump_signal())),
+        (file_timer.ENV_FILE, os.path.join(handle.directory, file_timer.FIFO_NAME)),
         ("PYTHONPATH", python_path),
     ):
         state.previous_env[name] = os.environ.get(name)

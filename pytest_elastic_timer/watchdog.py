@@ -37,7 +37,7 @@ from typing import Any
 
 import psutil
 
-from . import proctree, records, startup, wire
+from . import file_timer, proctree, records, startup, wire
 from . import table as tbl
 
 SOCKET_NAME = "watchdog.sock"
@@ -117,6 +117,7 @@ class Watchdog:
         self.session.setdefault("started", time.time())
         self.records: list[records.ExpiryRecord] = []
         self.owners: dict[int, Owner] = {}
+        self.foreign: dict[int, Owner] = {}  # processes known only from torch file timers
         self.by_conn: dict[socket.socket, Owner | None] = {}
         self.dropped = 0
         self.stopping = False
@@ -136,6 +137,12 @@ class Watchdog:
             os.set_blocking(control.fileno(), False)
             self.sel.register(control, selectors.EVENT_READ, self._control)
         self._control_buffer = b""
+        self.file_timers = file_timer.FileTimerIntake(self)
+        self.sel.register(self.file_timers.read_fd, selectors.EVENT_READ,
+                          self.file_timers.readable)  # fmt: skip
+
+    def all_owners(self) -> list[Owner]:
+        return [*self.owners.values(), *self.foreign.values()]
 
     # -- the loop -----------------------------------------------------------------
     def serve(self) -> None:
@@ -207,14 +214,14 @@ class Watchdog:
             raise wire.BadMessage(f"{op!r} before hello")
         elif op == "wake":
             at = float(wire.field(fields, "at", (int, float)))
-            self._schedule_scan(owner, at)
+            self.schedule_scan(owner, at)
         elif op == "expired":
             self._reported(owner, fields)
         elif op == "sync":
             self.check_expiries()
             pending = [
                 {"pid": o.pid, "worker": o.header_text(tbl.H_WORKER_SID), "nodeid": e.nodeid}
-                for o in self.owners.values()
+                for o in self.all_owners()
                 for e in o.expiries.values()
             ]
             self._send(conn, "synced", records=len(self.records), pending=pending)
@@ -294,7 +301,7 @@ class Watchdog:
                 self.stopping = True
 
     # -- deadlines ----------------------------------------------------------------
-    def _schedule_scan(self, owner: Owner, at: float, *, recheck: bool = True) -> None:
+    def schedule_scan(self, owner: Owner, at: float, *, recheck: bool = True) -> None:
         if at >= owner.next_scan:
             return
         owner.next_scan = at
@@ -302,7 +309,7 @@ class Watchdog:
 
     def _scan(self, owner: Owner, *, recheck: bool = True) -> None:
         """Look at every open scope of ``owner``; escalate those past their deadline."""
-        if owner.pid not in self.owners or self.owners[owner.pid] is not owner:
+        if owner is not self.owners.get(owner.pid) and owner is not self.foreign.get(owner.pid):
             return
         now = time.monotonic()
         owner.next_scan = float("inf")
@@ -323,9 +330,9 @@ class Watchdog:
                 self._expire(owner, slot)
         table.floats[tbl.H_ARMED] = earliest
         if earliest < float("inf"):
-            self._schedule_scan(owner, earliest)
+            self.schedule_scan(owner, earliest)
         if recheck and earliest > now + _RECHECK_AFTER:
-            self._schedule_scan(owner, now + _RECHECK_AFTER, recheck=False)
+            self.schedule_scan(owner, now + _RECHECK_AFTER, recheck=False)
 
     def _expire(self, owner: Owner, slot: tbl.SlotView) -> None:
         table = owner.table
@@ -385,7 +392,7 @@ class Watchdog:
 
     def check_expiries(self) -> None:
         """Advance every escalation whose scope has closed (used before reporting)."""
-        for owner in list(self.owners.values()):
+        for owner in self.all_owners():
             for expiry in list(owner.expiries.values()):
                 if self._closed(owner, expiry):
                     self._advance(owner, expiry)
@@ -407,7 +414,8 @@ class Watchdog:
         signum = int(table.words[tbl.H_INTERRUPT_SIG])
         if interrupt and signum:
             proctree.send([owner.proc], signum)
-        grace_end = expiry.deadline + expiry.grace
+        # Without an interrupt to give the owner, there is nothing to wait for.
+        grace_end = expiry.deadline + (expiry.grace if signum else 0.0)
         while True:
             if self._closed(owner, expiry):
                 if owner.conn is not None:
@@ -528,7 +536,7 @@ class Watchdog:
         record = records.ExpiryRecord(
             nodeid=expiry.nodeid or str(report.get("nodeid", "")),
             scope=expiry.path or str(report.get("scope", "")),
-            budget=round(budget, 6),
+            budget=round(budget, 3),
             elapsed=round(elapsed, 6),
             pid=owner.pid,
             label=owner.header_text(tbl.H_LABEL_SID),
@@ -561,7 +569,7 @@ class Watchdog:
     def finish(self) -> None:
         """Close the session: end escalations, stray processes, write the report."""
         give_up = time.monotonic() + self.grace + self.kill_after + 3.0
-        while any(o.expiries for o in self.owners.values()) and time.monotonic() < give_up:
+        while any(o.expiries for o in self.all_owners()) and time.monotonic() < give_up:
             self.run_once(max_wait=0.02)
         self._end_strays()
         self.session["ended"] = time.time()
@@ -575,15 +583,16 @@ class Watchdog:
                 sys.stderr.write(f"pytest-elastic-timer: cannot write {self.report_path}: {exc}\n")
         if self.root_died and self.records:
             self._print_summary()
-        for owner in self.owners.values():
+        for owner in self.all_owners():
             owner.table.close()
+        self.file_timers.close()
         self.listener.close()
         shutil.rmtree(self.directory, ignore_errors=True)
 
     def _end_strays(self) -> None:
         """Processes of the session still running at its end are ended with their trees."""
         procs: list[psutil.Process] = []
-        for owner in self.owners.values():
+        for owner in self.all_owners():
             if owner.pid == self.root.pid and not self.root_died:
                 continue
             if proctree.alive([owner.proc]):
