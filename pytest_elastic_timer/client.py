@@ -11,13 +11,17 @@ weaker guarantees documented in ``docs/design.md``.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import faulthandler
 import itertools
+import json
 import os
 import signal
 import socket
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from types import CodeType, FrameType
@@ -81,6 +85,10 @@ class ProcessState:
         self.nodeid = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
         self.nodeid_sid = 0
         self.warned = False
+        # Trace events (path, start, end, thread, nodeid, expired) while the session
+        # writes a trace timeline; None otherwise (the hot path checks only that).
+        self.trace: list[tuple[str, float, float, int, str, bool]] | None = None
+        self.trace_flushed = 0.0
         self.on_interrupt = on_interrupt
         self.interrupt_sig, self.dump_sig = self._install_signals(on_interrupt)
         self.table = self._attach()
@@ -149,6 +157,10 @@ class ProcessState:
             raise wire.BadMessage(f"watchdog answered {op!r}: {fields.get('error', '')}")
         self.scale = float(fields.get("scale", 1.0))
         self.grace = float(fields.get("grace", 2.0))
+        if fields.get("trace"):
+            self.trace = []
+            self.trace_path = os.path.join(directory, f"trace-{self.pid}-{uuid.uuid4().hex[:8]}")
+            atexit.register(self.flush_trace)
         self.watchdog_pid = int(fields.get("pid", 0))
         sock.settimeout(None)
         return table
@@ -209,6 +221,38 @@ class ProcessState:
     def set_nodeid(self, nodeid: str) -> None:
         self.nodeid = nodeid
         self.nodeid_sid = self.sid(nodeid)
+
+    # -- trace --------------------------------------------------------------------
+    def traced(self, path: str, start: float, thread_id: int, expired: bool) -> None:
+        trace = self.trace
+        assert trace is not None
+        end = time.monotonic()
+        trace.append((path, start, end, thread_id, self.nodeid, expired))
+        # Flush in batches, and soon after activity, so a process that ends with
+        # os._exit (forked ranks, xdist workers) loses little.
+        if len(trace) >= 256 or end - self.trace_flushed > 0.5:
+            self.flush_trace()
+
+    def flush_trace(self) -> None:
+        """Append buffered trace events to this process's trace file."""
+        trace = self.trace
+        if not trace:
+            return
+        self.trace = []
+        self.trace_flushed = time.monotonic()
+        head = {
+            "pid": self.pid,
+            "label": self.label,
+            "worker": os.environ.get("PYTEST_XDIST_WORKER", ""),
+        }
+        lines = [
+            json.dumps(
+                {**head, "path": p, "start": s, "end": e, "tid": t, "nodeid": n, "expired": x}
+            )
+            for p, s, e, t, n, x in trace
+        ]
+        with contextlib.suppress(OSError), open(self.trace_path, "a", encoding="utf-8") as f:
+            f.write("\n".join(lines) + "\n")
 
     # -- slots ----------------------------------------------------------------------
     def alloc(self) -> int:

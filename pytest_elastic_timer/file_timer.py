@@ -96,10 +96,18 @@ class FileTimerIntake:
         site = f"{file}:{line_no}" if file and line_no.isdigit() else ""
         nodeid = proctree_env(owner, "PYTEST_CURRENT_TEST").rsplit(" (", 1)[0]
         table.write_slot(
-            slot, next(self.serials), deadline, now, 0, table.add_string(scope_id),
-            table.add_string(site) if site else 0, table.add_string(nodeid) if nodeid else 0,
-            0.0, 0, 0,
-        )  # fmt: skip
+            slot,
+            next(self.serials),
+            deadline,
+            now,
+            0,
+            table.add_string(scope_id),
+            table.add_string(site) if site else 0,
+            table.add_string(nodeid) if nodeid else 0,
+            0.0,
+            0,
+            0,
+        )
         self.dog.schedule_scan(owner, deadline)
 
     def _alloc(self, owner: Owner) -> int:
@@ -157,10 +165,14 @@ def _parse(line: bytes) -> tuple[int, str, float] | None:
         value.get("expiration_time"),
     )
     if (
-        not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0
-        or not isinstance(scope_id, str) or len(scope_id) > MAX_LINE
-        or not isinstance(expiration, (int, float)) or isinstance(expiration, bool)
+        not isinstance(pid, int)
+        or isinstance(pid, bool)
+        or pid <= 0
+        or not isinstance(scope_id, str)
+        or len(scope_id) > MAX_LINE
+        or not isinstance(expiration, (int, float))
+        or isinstance(expiration, bool)
         or not math.isfinite(expiration)
-    ):  # fmt: skip
+    ):
         return None
     return pid, scope_id, float(expiration)

@@ -78,6 +78,8 @@ def start(
     kill_after: float = 1.0,
     timeout: float = 30.0,
     dump_signal: int = 0,
+    junit_xml: str | None = None,
+    trace: bool = False,
 ) -> WatchdogHandle:
     """Start a watchdog for this process's session; returns once it accepts clients."""
     directory = tempfile.mkdtemp(prefix="pytest-elastic-timer-", dir=_session_root_dir())
@@ -107,6 +109,10 @@ def start(
         argv += ["--report", os.path.abspath(report)]
     if dump_signal:
         argv += ["--dump-signal", str(dump_signal)]
+    if junit_xml:
+        argv += ["--junit-xml", os.path.abspath(junit_xml)]
+    if trace:
+        argv.append("--trace")
     proc = subprocess.Popen(
         argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, close_fds=True
     )

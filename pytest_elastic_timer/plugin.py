@@ -19,7 +19,18 @@ import psutil
 import pytest
 from _pytest._code.code import ExceptionChainRepr, ReprEntryNative, ReprExceptionInfo
 
-from . import client, file_timer, launcher, leaks, proctree, records, scopes, startup, xdist_support
+from . import (
+    ci_reports,
+    client,
+    file_timer,
+    launcher,
+    leaks,
+    proctree,
+    records,
+    scopes,
+    startup,
+    xdist_support,
+)
 from . import table as tbl
 from .scopes import ScopeExpired, TimerRequest
 
@@ -170,6 +181,7 @@ def pytest_configure(config: pytest.Config) -> None:
     settings = read_settings(config)
     state = SessionState(settings)
     config.stash[SESSION] = state
+    config.pluginmanager.register(ci_reports, "elastic_timer_ci")
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(xdist_support, "elastic_timer_xdist")
     if settings.leaks != "off":
@@ -190,6 +202,8 @@ def pytest_configure(config: pytest.Config) -> None:
                 "args": list(config.invocation_params.args),
             },
             dump_signal=startup.session_dump_signal(),
+            junit_xml=config.getoption("xmlpath", None),
+            trace=bool(settings.trace),
         )
     except (launcher.WatchdogError, OSError) as exc:
         config.issue_config_time_warning(
@@ -581,6 +595,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     state = config.stash.get(SESSION, None)
     if state is None:
         return
+    if scopes._state is not None:
+        scopes._state.flush_trace()
     if state.session_scope is not None and state.session_scope.active:
         try:
             state.session_scope.release()

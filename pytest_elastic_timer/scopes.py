@@ -329,11 +329,15 @@ class TimerRequest:
             state.table.slot_words[slot << 3] = 0
             state.free.append(slot)
             self._slot = -1
+            if state.trace is not None:
+                state.traced(self.path, self._start, stack.tid if stack else 0, self._delivered)
             if exc is None and not self._delivered and not self._cancelled:
                 now = monotonic()
                 if now > self._deadline + _paused(state, now):
                     self._delivered = True
                     raise _report(self, now, "interrupted", sys._getframe(1))
+        elif state.trace is not None and state is _state:
+            state.traced(self.path, self._start, stack.tid if stack else 0, self._delivered)
 
     # -- moving the deadline ------------------------------------------------------
     def cancel(self) -> None:

@@ -37,7 +37,7 @@ from typing import Any
 
 import psutil
 
-from . import file_timer, proctree, records, startup, wire
+from . import file_timer, junit_fallback, proctree, records, startup, sync_server, wire
 from . import table as tbl
 
 SOCKET_NAME = "watchdog.sock"
@@ -137,9 +137,17 @@ class Watchdog:
             os.set_blocking(control.fileno(), False)
             self.sel.register(control, selectors.EVENT_READ, self._control)
         self._control_buffer = b""
+        # Extension points: ops handled outside this module, called as
+        # handler(conn, peer_pid, fields); callbacks told of every closed connection;
+        # callbacks run at the end of the session with the watchdog as argument.
+        self.extensions: dict[str, Callable[[socket.socket, int, dict[str, Any]], None]] = {}
+        self.on_disconnect: list[Callable[[socket.socket], None]] = []
+        self.on_finish: list[Callable[[Watchdog], None]] = []
+        self.junit_fallback: str | None = None  # JUnit XML written if pytest dies first
+        self.trace = False  # clients record every scope into trace-<pid>-* files
+        sync_server.install(self)
         self.file_timers = file_timer.FileTimerIntake(self)
-        self.sel.register(self.file_timers.read_fd, selectors.EVENT_READ,
-                          self.file_timers.readable)  # fmt: skip
+        self.sel.register(self.file_timers.read_fd, selectors.EVENT_READ, self.file_timers.readable)
 
     def all_owners(self) -> list[Owner]:
         return [*self.owners.values(), *self.foreign.values()]
@@ -208,7 +216,12 @@ class Watchdog:
         self, conn: socket.socket, peer_pid: int, op: str, fields: dict[str, Any]
     ) -> None:
         owner = self.by_conn.get(conn)
-        if op == "hello":
+        extension = self.extensions.get(op)
+        if extension is not None:
+            # Extension ops (synchronization primitives) need no hello: a peer's
+            # credentials were checked when it connected.
+            extension(conn, peer_pid, fields)
+        elif op == "hello":
             self._hello(conn, peer_pid, fields)
         elif owner is None:
             raise wire.BadMessage(f"{op!r} before hello")
@@ -265,9 +278,13 @@ class Watchdog:
         worker = owner.header_text(tbl.H_WORKER_SID)
         if worker:
             self.workers.add(worker)
-        self._send(conn, "welcome", pid=os.getpid(), scale=self.scale, grace=self.grace)
+        self._send(
+            conn, "welcome", pid=os.getpid(), scale=self.scale, grace=self.grace, trace=self.trace
+        )
 
     def _disconnected(self, conn: socket.socket) -> None:
+        for callback in self.on_disconnect:
+            callback(conn)
         owner = self.by_conn.pop(conn, None)
         with contextlib.suppress(KeyError, ValueError):
             self.sel.unregister(conn)
@@ -581,6 +598,18 @@ class Watchdog:
                 records.write_report(self.report_path, self.records, self.session)
             except OSError as exc:
                 sys.stderr.write(f"pytest-elastic-timer: cannot write {self.report_path}: {exc}\n")
+        for callback in self.on_finish:
+            try:
+                callback(self)
+            except Exception as exc:  # an extension must not cost the report
+                sys.stderr.write(f"pytest-elastic-timer: {exc!r} at the end of the session\n")
+        if self.root_died and self.junit_fallback:
+            try:
+                junit_fallback.write(self.junit_fallback, self.records, self.session)
+            except OSError as exc:
+                sys.stderr.write(
+                    f"pytest-elastic-timer: cannot write {self.junit_fallback}: {exc}\n"
+                )
         if self.root_died and self.records:
             self._print_summary()
         for owner in self.all_owners():
@@ -680,6 +709,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report", default=None)
     parser.add_argument("--session", default="{}", help="JSON facts for the report")
     parser.add_argument("--dump-signal", type=int, default=0)
+    parser.add_argument("--junit-xml", default=None, help="fallback JUnit XML if pytest dies")
+    parser.add_argument("--trace", action="store_true", help="clients record every scope")
     args = parser.parse_args(argv)
     # Ctrl-C reaches the whole process group; pytest decides how the session ends.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -697,6 +728,8 @@ def main(argv: list[str] | None = None) -> int:
         control=sys.stdin.buffer,
         dump_signal=args.dump_signal,
     )
+    dog.junit_fallback = args.junit_xml
+    dog.trace = args.trace
     sys.stdout.write(f"ready {os.getpid()} {dog.address}\n")
     sys.stdout.flush()
     dog.serve()
