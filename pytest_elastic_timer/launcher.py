@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import selectors
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +30,32 @@ def _session_root_dir() -> str | None:
     if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK):
         return shm
     return None
+
+
+def sweep_stale(root: str | None, older_than: float = 60.0) -> list[str]:
+    """Remove session directories of ours whose watchdog is gone (it was SIGKILLed).
+
+    A directory is stale when it belongs to this user, is older than ``older_than``
+    seconds and nothing accepts connections on its socket.
+    """
+    removed = []
+    pattern = os.path.join(root or tempfile.gettempdir(), "pytest-elastic-timer-*")
+    for directory in glob.glob(pattern):
+        try:
+            st = os.lstat(directory)
+        except OSError:
+            continue
+        if st.st_uid != os.getuid() or time.time() - st.st_mtime < older_than:
+            continue
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as probe:
+            try:
+                probe.connect(os.path.join(directory, "watchdog.sock"))
+                continue  # a live watchdog
+            except OSError:
+                pass
+        shutil.rmtree(directory, ignore_errors=True)
+        removed.append(directory)
+    return removed
 
 
 @dataclass
@@ -82,6 +111,7 @@ def start(
     trace: bool = False,
 ) -> WatchdogHandle:
     """Start a watchdog for this process's session; returns once it accepts clients."""
+    sweep_stale(_session_root_dir())
     directory = tempfile.mkdtemp(prefix="pytest-elastic-timer-", dir=_session_root_dir())
     os.chmod(directory, 0o700)
     package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

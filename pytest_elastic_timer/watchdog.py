@@ -154,8 +154,11 @@ class Watchdog:
 
     # -- the loop -----------------------------------------------------------------
     def serve(self) -> None:
-        while not self.stopping:
-            self.run_once()
+        try:
+            while not self.stopping:
+                self.run_once()
+        except _Terminated:
+            self.root_died = True  # whoever ended us may end pytest too: report now
         self.finish()
 
     def run_once(self, max_wait: float | None = None) -> None:
@@ -654,6 +657,16 @@ class Watchdog:
             pass
 
 
+class _Terminated(Exception):
+    """SIGTERM or SIGHUP reached the watchdog: finish the session's report and exit."""
+
+
+def _on_terminate(signum: int, frame: Any) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    raise _Terminated(signum)
+
+
 def _size(path: str) -> int:
     try:
         return os.path.getsize(path)
@@ -714,6 +727,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # Ctrl-C reaches the whole process group; pytest decides how the session ends.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _on_terminate)
+    signal.signal(signal.SIGHUP, _on_terminate)
     root = proctree.ProcessId.of(args.root_pid)
     if root is None:
         return 1
