@@ -282,10 +282,31 @@ class ProcessState:
         try:
             sock.sendall(wire.encode(op, **fields))
         except OSError as exc:
-            self._warn(f"lost the watchdog ({exc}); enforcing scopes in-process from now on")
-            self._close_socket()
-            self.sentinel = Sentinel(self, self.table)
-            self.sentinel.wake()
+            self._lose(str(exc))
+
+    def watchdog_alive(self) -> bool:
+        """Whether the watchdog still holds our connection (a non-blocking peek).
+
+        When it is gone, scopes are enforced in-process from now on."""
+        sock = self.sock
+        if sock is None:
+            return False
+        try:
+            data = sock.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK)
+        except BlockingIOError:
+            return True
+        except OSError:
+            data = b""
+        if data:
+            return True
+        self._lose("the watchdog closed its connection")
+        return False
+
+    def _lose(self, why: str) -> None:
+        self._warn(f"lost the watchdog ({why}); enforcing scopes in-process from now on")
+        self._close_socket()
+        self.sentinel = Sentinel(self, self.table)
+        self.sentinel.wake()
 
     def request(self, op: str, **fields: Any) -> dict[str, Any]:
         """Send ``op`` and wait for the watchdog's answer (used by the plugin only)."""

@@ -86,6 +86,7 @@ class SessionState:
     previous_env: dict[str, str | None] = field(default_factory=dict)
     session_scope: TimerRequest | None = None
     session: pytest.Session | None = None
+    lost_watchdog: str = ""  # why and when the watchdog went away mid-session
     started: float = field(default_factory=time.time)
 
 
@@ -292,6 +293,9 @@ def pytest_collection(session: pytest.Session) -> Generator[None, None, None]:
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_sessionfinish(session: pytest.Session) -> Generator[None, None, None]:
     scopes.process_state().set_phase("sessionfinish")
+    state = session.config.stash.get(SESSION, None)
+    if state is not None and state.lost_watchdog and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED  # the guarantees did not hold
     return (yield)
 
 
@@ -374,6 +378,8 @@ def _budgets_or_fail(item: pytest.Item) -> Budgets:
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
     process = scopes.process_state()
+    if process.sock is not None and not process.watchdog_alive():
+        _watchdog_lost(item)
     process.set_nodeid(item.nodeid)
     process.set_phase("setup")
     budgets = _budgets_or_fail(item)
@@ -405,6 +411,20 @@ def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
         process.set_nodeid("")
         process.set_phase("between tests")
         _check_leaks(item)
+
+
+def _watchdog_lost(item: pytest.Item) -> None:
+    """Say it loudly: from here on hung C calls and spawned processes go unchecked."""
+    state = item.config.stash[SESSION]
+    state.lost_watchdog = (
+        f"the watchdog (pid {scopes.process_state().watchdog_pid}) died before "
+        f"{item.nodeid}; scopes are enforced in-process from then on (no stack dumps, "
+        "no termination of hung processes)"
+    )
+    reporter = item.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"\nelastic-timer: {state.lost_watchdog}", red=True, bold=True)
+    warnings.warn(pytest.PytestWarning(f"elastic-timer: {state.lost_watchdog}"), stacklevel=1)
 
 
 def _check_leaks(item: pytest.Item) -> None:
