@@ -205,6 +205,7 @@ class TimerRequest:
         "_stack",
         "_start",
         "_state",
+        "_task",
         "after",
         "at",
         "detached",
@@ -240,6 +241,7 @@ class TimerRequest:
         self._stack: _Stack | None = None
         self._delivered = False
         self._cancelled = False
+        self._task: Any = None  # the asyncio task that entered the scope, if any
 
     # -- entering and leaving -----------------------------------------------------
     def __enter__(self) -> TimerRequest:
@@ -257,7 +259,12 @@ class TimerRequest:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        __tracebackhide__ = True
+        task = self._task
         self._exit(exc)
+        if task is not None and self._delivered and _is_our_cancel(exc, self):
+            task.uncancel()
+            raise _report(self, monotonic(), "interrupted", None, task=task) from exc
 
     def release(self) -> None:
         """End the scope; raises :class:`ScopeExpired` if it overran its deadline."""
@@ -278,6 +285,10 @@ class TimerRequest:
         self._state = state
         self._stack = stack
         self._delivered = self._cancelled = False
+        # Inside a running event loop the expiry cancels the task (asyncio.timeout's
+        # way) instead of raising wherever the loop happens to be.
+        aio = sys.modules.get("asyncio")
+        self._task = aio.current_task() if aio is not None and aio._get_running_loop() else None
         now = self._start = monotonic()
         after = self.after
         if after is None:
@@ -469,15 +480,61 @@ def _paused(state: client.ProcessState, now: float) -> float:
     return now - since if since else 0.0
 
 
-def _report(scope: TimerRequest, now: float, action: str, frame: FrameType | None) -> ScopeExpired:
+def _is_our_cancel(exc: BaseException | None, scope: TimerRequest) -> bool:
+    aio = sys.modules.get("asyncio")
+    return (
+        aio is not None
+        and isinstance(exc, aio.CancelledError)
+        and bool(exc.args)
+        and exc.args[0] == _cancel_message(scope)
+    )
+
+
+def _cancel_message(scope: TimerRequest) -> str:
+    return f"pytest-elastic-timer: scope {scope.path!r} expired"
+
+
+def _task_stacks(tasks: Any) -> str:
+    """Where each of ``tasks`` is suspended, innermost frame last."""
+    out = []
+    for task in tasks:
+        frames = task.get_stack(limit=STACK_FRAMES)
+        lines = traceback.format_list(
+            [(f.f_code.co_filename, f.f_lineno, f.f_code.co_name, None) for f in frames]
+        )
+        out.append(f"Task {task.get_name()} ({task.get_coro()!r}):\n" + "".join(lines))
+    return "\n".join(out)
+
+
+def _report(
+    scope: TimerRequest,
+    now: float,
+    action: str,
+    frame: FrameType | None,
+    *,
+    task: Any = None,
+) -> ScopeExpired:
     """The exception for ``scope``, after telling the watchdog where the owner was."""
     state = scope._state or _state
     pid = os.getpid()
     label = state.label if state is not None else ""
     budget = scope.after * state.scale if state is not None and scope.after is not None else 0.0
     exc = ScopeExpired(scope.path, budget, now - scope._start, pid, action, scope.site, label)
+    if task is not None:
+        return exc  # reported when the cancellation was asked for
     if state is not None:
         stack = "".join(traceback.format_stack(frame, limit=STACK_FRAMES)) if frame else ""
+        aio = sys.modules.get("asyncio")
+        loop = aio._get_running_loop() if aio is not None else None
+        if (
+            aio is not None
+            and loop is not None
+            and threading.current_thread() is threading.main_thread()
+        ):
+            # The loop was interrupted in its selector: say where its tasks wait.
+            tasks = _task_stacks(aio.all_tasks(loop))
+            exc.add_note(f"event loop tasks when the scope expired:\n{tasks}")
+            stack = f"{stack}\n{tasks}"
         state.send(
             "expired",
             serial=scope._serial,
@@ -533,6 +590,9 @@ def _on_interrupt(signum: int, frame: FrameType | None) -> None:
                 break
             for inner in candidates[candidates.index(scope) :]:
                 inner._delivered = True  # the exception unwinds through them
+            if scope._task is not None and not scope._task.done():
+                _cancel_task(state, scope, now)
+                break
             exc = _report(scope, now, "interrupted", where)
             if tid == main:
                 raise_here = scope.on_expire(exc) if scope.on_expire else exc
@@ -542,6 +602,22 @@ def _on_interrupt(signum: int, frame: FrameType | None) -> None:
             break
     if raise_here is not None:
         raise raise_here
+
+
+def _cancel_task(state: client.ProcessState, scope: TimerRequest, now: float) -> None:
+    """Cancel the task that entered ``scope``; its ``__exit__`` raises ScopeExpired."""
+    task = scope._task
+    task.get_loop().call_soon_threadsafe(task.cancel, _cancel_message(scope))
+    state.send(
+        "expired",
+        serial=scope._serial,
+        scope=scope.path,
+        budget=scope.after * state.scale if scope.after is not None else 0.0,
+        elapsed=now - scope._start,
+        site=scope.site,
+        nodeid=state.nodeid,
+        stack=_task_stacks([task]),
+    )
 
 
 def _async_raise(tid: int) -> None:
