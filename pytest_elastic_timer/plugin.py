@@ -111,6 +111,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     for flag, ini, key, metavar in options:
         group.addoption(flag, dest=ini, default=None, metavar=metavar, help=HELP[key])
         parser.addini(ini, HELP[key], default=None)
+    ci_reports.add_options(group, parser)
 
 
 def _option(config: pytest.Config, name: str) -> tuple[str, Any]:
@@ -624,7 +625,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
             pass  # already reported: the session overran while it was ending
     if state.watchdog is None:
         return
-    state.watchdog.stop({"exitstatus": None})
+    state.watchdog.stop({"exitstatus": None, **ci_reports.session_end(config)})
     for name, value in state.previous_env.items():
         if value is None:
             os.environ.pop(name, None)
