@@ -14,16 +14,36 @@ from .scopes import (
     expires,
     set_label,
 )
+from .sync import (
+    BarrierTimeout,
+    Event,
+    EventTimeout,
+    LockAbandoned,
+    LockTimeout,
+    Party,
+    SessionLock,
+    barrier,
+    lock,
+)
 from .torch_compat import TimerClient, configure_torch
 
 __all__ = [
+    "BarrierTimeout",
+    "Event",
+    "EventTimeout",
+    "LockAbandoned",
+    "LockTimeout",
+    "Party",
     "ScopeExpired",
+    "SessionLock",
     "TimeoutException",
     "TimerClient",
     "TimerRequest",
+    "barrier",
     "configure_torch",
     "current_scope",
     "expires",
+    "lock",
     "set_label",
 ]
 
