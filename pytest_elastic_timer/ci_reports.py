@@ -1,18 +1,57 @@
 """CI outputs: enriched JUnit XML, GitHub Actions annotations and step summary,
 trace timeline, slow-scope warnings. A pytest plugin module registered by
 :mod:`.plugin` in ``pytest_configure``.
+
+Where each output comes from:
+
+- **JUnit XML** (``--junitxml``): a test with an expired scope -- its own, or one of a
+  process it started (a rank) -- gets the scope's facts as ``user_properties``
+  (``elastic_timer_scope``, ``_budget``, ``_elapsed``, ``_pid``, ``_label``,
+  ``_action``). Once pytest's junitxml wrote its file, :func:`fix_junit` gives the
+  test's ``<failure>`` (or ``<error>``) the type ``pytest_elastic_timer.ScopeExpired``,
+  the scope line as message and first line of its text, and the properties (pytest
+  writes a call report's properties only in some cases, and none for a crashed xdist
+  worker). When pytest is killed, the watchdog writes the file: :mod:`.junit_fallback`.
+- **GitHub Actions** (``GITHUB_ACTIONS=true``): one ``::error`` workflow command per
+  expired scope (at most :data:`ANNOTATION_LIMIT`) in the terminal summary, and a
+  Markdown table appended to ``$GITHUB_STEP_SUMMARY``.
+- **Slow scopes** (``--elastic-timer-slow``): test phases that used at least that
+  fraction of their budget, in the terminal summary and the JSON report.
+- **Trace** (``--elastic-timer-trace``) and the session facts of the JSON report:
+  :func:`session_end`, called by the plugin just before the watchdog stops.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import sys
+import xml.etree.ElementTree as ET
+from collections.abc import Generator, Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
 from typing import Any
 
 import pytest
 
+from . import junit_fallback, plugin, records, scopes, trace, xdist_support
+from .junit_fallback import FAILURE_TYPE, PROPERTY_PREFIX
+from .records import ExpiryRecord
+from .scopes import ScopeExpired
+
 HELP = {
-    "slow": "list a scope as SLOW in the terminal summary once it used this fraction of "
-    "its budget (default 0.8; 0 = off).",
+    "slow": "list a test phase as SLOW in the terminal summary once it used this fraction "
+    "of its budget (default 0.8; 0 = off).",
 }
+DEFAULT_SLOW = 0.8
+ANNOTATION_LIMIT = 10  # GitHub shows at most 10 error annotations per step anyway
+SLOWEST_TESTS = 50  # tests listed in the JSON report's session.slowest
+SLOWEST_SCOPES = 3  # scopes listed per test there
+SCHEMA = "report.schema.json"
+PHASES = ("setup", "call", "teardown")
+_BUDGET_ATTR = "elastic_timer_budget"  # a report's phase budget in seconds, scaled
+REPORTER_NAME = "elastic_timer_ci_session"
 
 
 def add_options(group: Any, parser: pytest.Parser) -> None:
@@ -27,7 +66,486 @@ def add_options(group: Any, parser: pytest.Parser) -> None:
     parser.addini("elastic_timer_slow", HELP["slow"], default=None)
 
 
+def report_schema() -> dict[str, Any]:
+    """The JSON Schema of the JSON report (``--elastic-timer-report``)."""
+    text = resources.files(__package__).joinpath(SCHEMA).read_text(encoding="utf-8")
+    schema: dict[str, Any] = json.loads(text)
+    return schema
+
+
+@dataclass(frozen=True)
+class PhaseTime:
+    """How long one test phase took, against its budget."""
+
+    nodeid: str
+    when: str
+    seconds: float
+    budget: float | None
+    expired: bool = False
+
+    @property
+    def scope(self) -> str:
+        return f"{self.nodeid.rsplit('::', 1)[-1]}::{self.when}"
+
+    @property
+    def share(self) -> float | None:
+        return self.seconds / self.budget if self.budget else None
+
+    def suggestion(self, fraction: float) -> float:
+        """A budget under which this duration stays well below the slow threshold."""
+        return nice_ceil(self.seconds / (fraction * 0.75))
+
+    def to_json(self, fraction: float) -> dict[str, Any]:
+        return {
+            "nodeid": self.nodeid,
+            "scope": self.scope,
+            "phase": self.when,
+            "seconds": round(self.seconds, 6),
+            "budget": self.budget,
+            "share": round(self.share or 0.0, 4),
+            "suggested_budget": self.suggestion(fraction),
+        }
+
+
+@dataclass
+class CiState:
+    """What the CI outputs collect over the session (controller or single process)."""
+
+    slow: float
+    junit: str | None
+    junit_prefix: str | None
+    expired: dict[str, list[ExpiryRecord]] = field(default_factory=dict)
+    locations: dict[str, tuple[str, int | None]] = field(default_factory=dict)
+    phases: list[PhaseTime] = field(default_factory=list)
+    exitstatus: int | None = None
+
+
+CI = pytest.StashKey[CiState]()
+
+
+# -- configuration -------------------------------------------------------------------
+def parse_fraction(raw: object, what: str) -> float:
+    """A fraction in [0, 1] from ``raw``, or ValueError naming ``what``."""
+    try:
+        value = float(str(raw).strip()) if not isinstance(raw, bool) else math.nan
+    except ValueError:
+        value = math.nan
+    if not (0.0 <= value <= 1.0):
+        raise ValueError(f"{what} must be a fraction between 0 and 1, not {raw!r}")
+    return value
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    where, raw = plugin._option(config, "elastic_timer_slow")
+    try:
+        slow = DEFAULT_SLOW if raw is None else parse_fraction(raw, where)
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    junit = None
+    if not hasattr(config, "workerinput"):
+        xmlpath = config.getoption("xmlpath", None)
+        if xmlpath:  # where pytest's junitxml writes it (as LogXML.__init__ does)
+            junit = os.path.normpath(
+                os.path.abspath(os.path.expanduser(os.path.expandvars(xmlpath)))
+            )
+    state = config.stash[CI] = CiState(slow, junit, config.getoption("junitprefix", None))
+    if not hasattr(config, "workerinput"):
+        config.pluginmanager.register(SessionReports(config, state), REPORTER_NAME)
+
+
+# -- reports -------------------------------------------------------------------------
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """The phase's budget rides on the report (also to an xdist controller); an expiry
+    in this process adds its facts as user properties."""
+    report = yield
+    if report.when in PHASES:
+        try:
+            budget = getattr(plugin.budgets_of(item), report.when)
+        except ValueError:
+            budget = None
+        if budget:
+            setattr(report, _BUDGET_ATTR, budget * scopes.process_state().scale)
+    exc = call.excinfo.value if call.excinfo is not None else None
+    if report.failed and isinstance(exc, ScopeExpired) and _scope_of(report) == exc.scope:
+        file, line = records.split_site(exc.site)
+        record = ExpiryRecord(
+            item.nodeid, exc.scope, exc.budget, exc.elapsed, exc.pid, exc.label,
+            os.environ.get("PYTEST_XDIST_WORKER", ""), file, line, exc.action, "",
+        )  # fmt: skip
+        _add_properties(report, record)
+    return report
+
+
+def _scope_of(report: pytest.TestReport) -> str | None:
+    for name, value in report.user_properties:
+        if name == xdist_support.SCOPE_PROPERTY:
+            return str(value)
+    return None
+
+
+def _add_properties(report: pytest.TestReport, record: ExpiryRecord) -> None:
+    have = {name for name, _ in report.user_properties}
+    for name, value in junit_fallback.properties_of(record):
+        if name not in have:
+            report.user_properties.append((name, value))
+
+
+def _from_properties(report: pytest.TestReport) -> ExpiryRecord | None:
+    props = {str(k): v for k, v in report.user_properties}
+    if PROPERTY_PREFIX + "action" not in props:
+        return None
+    try:
+        return ExpiryRecord(
+            report.nodeid,
+            str(props[PROPERTY_PREFIX + "scope"]),
+            float(str(props[PROPERTY_PREFIX + "budget"])),
+            float(str(props[PROPERTY_PREFIX + "elapsed"])),
+            int(str(props[PROPERTY_PREFIX + "pid"])),
+            str(props.get(PROPERTY_PREFIX + "label", "")),
+            str(getattr(report, "worker_id", "") or ""),
+            "",
+            0,
+            str(props[PROPERTY_PREFIX + "action"]),
+            "",
+        )
+    except (KeyError, ValueError):
+        return None
+
+
+class SessionReports:
+    """The hooks of the controller (or only) process that need its config: they collect
+    expired tests and phase times from reports, and write the outputs at the end."""
+
+    def __init__(self, config: pytest.Config, state: CiState) -> None:
+        self.config = config
+        self.state = state
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        state = self.state
+        if report.when not in PHASES:
+            return
+        state.locations.setdefault(report.nodeid, (report.location[0], report.location[1]))
+        found = _expired_of(self.config, report) if report.failed else []
+        if found:
+            if _scope_of(report) is None:
+                report.user_properties.append((xdist_support.SCOPE_PROPERTY, found[0].scope))
+            _add_properties(report, found[0])
+            known = state.expired.setdefault(report.nodeid, [])
+            seen = {(k.pid, k.scope) for k in known}
+            known.extend(r for r in found if (r.pid, r.scope) not in seen)
+        budget = getattr(report, _BUDGET_ATTR, None)
+        state.phases.append(
+            PhaseTime(report.nodeid, report.when, report.duration, budget, bool(found))
+        )
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        state = self.state
+        state.exitstatus = int(exitstatus)
+        if state.junit and state.expired and os.path.exists(state.junit):
+            try:
+                fix_junit(state.junit, state.expired, state.junit_prefix)
+            except (OSError, ET.ParseError) as exc:
+                sys.stderr.write(f"pytest-elastic-timer: cannot amend {state.junit}: {exc}\n")
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        state, config = self.state, self.config
+        slow = slow_phases(state)
+        if slow:
+            terminalreporter.section(
+                f"elastic-timer: slow scopes (>= {state.slow:.0%} of their budget)",
+                sep="=",
+                yellow=True,
+            )
+            for phase in slow:
+                terminalreporter.write_line(slow_line(phase, state.slow))
+        if os.environ.get("GITHUB_ACTIONS") != "true":
+            return
+        found = plugin._records(config)
+        root = os.environ.get("GITHUB_WORKSPACE") or str(config.rootpath)
+        for text in github_annotations(found, root, str(config.rootpath), state.locations):
+            terminalreporter.write_line(text)
+        summary = os.environ.get("GITHUB_STEP_SUMMARY")
+        if summary and (found or slow):
+            try:
+                with open(summary, "a", encoding="utf-8") as f:
+                    f.write(step_summary(found, slow, state.slow))
+            except OSError as exc:
+                terminalreporter.write_line(f"pytest-elastic-timer: cannot write {summary}: {exc}")
+
+
+def _expired_of(config: pytest.Config, report: pytest.TestReport) -> list[ExpiryRecord]:
+    """The expired scopes a failed report is about: its own (raised in the test's
+    process or recorded for a crashed xdist worker) or those of processes it started."""
+    if isinstance(report.longrepr, xdist_support.ExpiryRepr):
+        return [report.longrepr.record]
+    own = _from_properties(report)
+    found = [r for r in plugin._records(config) if r.nodeid == report.nodeid]
+    if own is not None:
+        # The watchdog's record knows more (file, line, worker) than the exception.
+        same = [r for r in found if (r.pid, r.scope) == (own.pid, own.scope)]
+        return same[:1] or [own]
+    scope = _scope_of(report)
+    if scope is not None:
+        return [r for r in found if r.scope == scope][:1] or found
+    return found
+
+
+# -- JUnit XML -----------------------------------------------------------------------
+def _junit_names(nodeid: str, prefix: str | None) -> tuple[str, str]:
+    try:  # pytest's own spelling where it has one
+        from _pytest.junitxml import mangle_test_address
+
+        names = mangle_test_address(nodeid)
+        classnames = [prefix, *names[:-1]] if prefix else names[:-1]
+        return ".".join(classnames), names[-1]
+    except Exception:
+        return junit_fallback.testcase_names(nodeid, prefix)
+
+
+def fix_junit(path: str, expired: dict[str, list[ExpiryRecord]], prefix: str | None = None) -> int:
+    """Give the testcases of ``expired`` tests in pytest's JUnit file at ``path`` the
+    ScopeExpired failure type, the scope line and the scope's properties. Returns how
+    many testcases were changed."""
+    tree = ET.parse(path)
+    wanted = {_junit_names(nodeid, prefix): found for nodeid, found in expired.items()}
+    changed = 0
+    for case in tree.iter("testcase"):
+        found = wanted.get((case.get("classname", ""), case.get("name", "")))
+        problems = [c for c in case if c.tag in ("failure", "error")]
+        if not found or not problems:
+            continue
+        changed += 1
+        first = found[0]
+        line = first.line_text()
+        problem = next((p for p in problems if p.tag == "failure"), problems[0])
+        problem.set("type", FAILURE_TYPE)
+        problem.set("message", junit_fallback.xml_safe(line))
+        text = problem.text or ""
+        if not text.startswith(line):
+            lead = "\n".join(r.line_text() for r in found)
+            where = "\n".join(
+                f"  in {r.owner_text()}" + (f", entered at {r.file}:{r.line}" if r.file else "")
+                for r in found
+            )
+            problem.text = junit_fallback.xml_safe(f"{lead}\n{where}\n\n{text}")
+        props = case.find("properties")
+        if props is None:
+            props = ET.Element("properties")
+            case.insert(0, props)
+        have = {p.get("name") for p in props}
+        for name, value in junit_fallback.properties_of(first):
+            if name not in have:
+                ET.SubElement(props, "property", name=name, value=junit_fallback.xml_safe(value))
+    if changed:
+        text = ET.tostring(tree.getroot(), encoding="unicode")
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write('<?xml version="1.0" encoding="utf-8"?>' + text)
+        os.replace(tmp, path)
+    return changed
+
+
+# -- terminal summary: slow scopes, GitHub Actions -----------------------------------
+def slow_phases(state: CiState) -> list[PhaseTime]:
+    """Test phases that used at least the slow fraction of their budget (not expired)."""
+    if not state.slow:
+        return []
+    found = [p for p in state.phases if p.share is not None and state.slow <= p.share <= 1.0]
+    return sorted(found, key=lambda p: -(p.share or 0.0))
+
+
+def nice_ceil(seconds: float) -> float:
+    """The smallest of 1, 1.5, 2, 3, 5, 7.5 times a power of ten that is >= ``seconds``."""
+    if seconds <= 0:
+        return 0.0
+    power = 10.0 ** math.floor(math.log10(seconds))
+    for step in (1, 1.5, 2, 3, 5, 7.5, 10):
+        if step * power >= seconds * (1 - 1e-9):
+            return float(f"{step * power:.6g}")
+    return 10 * power
+
+
+def slow_line(phase: PhaseTime, fraction: float) -> str:
+    return (
+        f"SLOW {phase.nodeid} {phase.when}: {phase.seconds:.2f}s of {phase.budget:g}s budget "
+        f"({phase.share or 0:.0%}); suggested budget {phase.suggestion(fraction):g}s"
+    )
+
+
+def escape_data(text: str) -> str:
+    """A workflow command's message, escaped as GitHub's runner un-escapes it."""
+    return text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+
+
+def escape_property(text: str) -> str:
+    """A workflow command's property value (``file=``, ``title=``), escaped."""
+    return escape_data(text).replace(":", "%3A").replace(",", "%2C")
+
+
+def _where(
+    record: ExpiryRecord,
+    workspace: str,
+    rootdir: str,
+    locations: Mapping[str, tuple[str, int | None]],
+) -> tuple[str, int]:
+    """(file relative to ``workspace``, 1-based line) to annotate, or ("", 0)."""
+
+    def inside(path: str) -> str:
+        rel = os.path.relpath(os.path.abspath(path), os.path.abspath(workspace))
+        return "" if rel.startswith("..") else rel
+
+    if record.file and os.path.isfile(record.file) and inside(record.file):
+        return inside(record.file), record.line
+    location = locations.get(record.nodeid)
+    if location is not None:  # a scope entered outside any file (python -c): the test
+        rel = inside(os.path.join(rootdir, location[0]))
+        if rel:
+            return rel, (location[1] or 0) + 1
+    return "", 0
+
+
+def github_annotations(
+    found: list[ExpiryRecord],
+    workspace: str,
+    rootdir: str,
+    locations: Mapping[str, tuple[str, int | None]] | None = None,
+    limit: int = ANNOTATION_LIMIT,
+) -> list[str]:
+    """GitHub Actions ``::error`` commands, one per expired scope (at most ``limit``,
+    then one ``::warning`` saying how many were left out)."""
+    out = []
+    for record in found[:limit]:
+        file, line = _where(record, workspace, rootdir, locations or {})
+        props = []
+        if file:
+            props.append(f"file={escape_property(file)}")
+            if line:
+                props.append(f"line={line}")
+        props.append(f"title={escape_property(f'elastic-timer: {record.scope} expired')}")
+        message = [record.line_text()]
+        if record.nodeid:
+            message.append(f"test: {record.nodeid}")
+        message.append(f"process: {record.owner_text()}")
+        out.append(f"::error {','.join(props)}::{escape_data(chr(10).join(message))}")
+    if len(found) > limit:
+        left = len(found) - limit
+        out.append(
+            f"::warning title=elastic-timer::{left} more expired scope(s) not annotated "
+            f"(at most {limit} per session); see the job summary or the JSON report"
+        )
+    return out
+
+
+def _cell(text: object, code: bool = False) -> str:
+    value = " ".join(str(text).split()).replace("|", "\\|")
+    if code and value and "`" not in value:
+        return f"`{value}`"
+    return value.replace("`", "\\`")
+
+
+def step_summary(found: list[ExpiryRecord], slow: list[PhaseTime], fraction: float) -> str:
+    """Markdown for ``$GITHUB_STEP_SUMMARY``: the expired scopes, then the slow ones."""
+    out = []
+    if found:
+        out += [
+            f"### elastic-timer: {len(found)} expired scope(s)",
+            "",
+            "| test | scope | budget | elapsed | action | process |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        out += [
+            f"| {_cell(r.nodeid or '(session)', True)} | {_cell(r.scope, True)} "
+            f"| {r.budget:g}s | {r.elapsed:.2f}s | {r.action} | {_cell(r.owner_text())} |"
+            for r in found
+        ]
+        out.append("")
+    if slow:
+        out += [
+            f"### elastic-timer: {len(slow)} slow scope(s) (>= {fraction:.0%} of their budget)",
+            "",
+            "| test | scope | duration | budget | share | suggested budget |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        out += [
+            f"| {_cell(p.nodeid, True)} | {_cell(p.scope, True)} | {p.seconds:.2f}s "
+            f"| {p.budget:g}s | {p.share or 0:.0%} | {p.suggestion(fraction):g}s |"
+            for p in slow
+        ]
+        out.append("")
+    return "\n".join(out) + "\n"
+
+
+# -- end of the session: trace and facts for the JSON report --------------------------
 def session_end(config: pytest.Config) -> dict[str, Any]:
     """Write the trace timeline while the session directory exists; return facts for
     the JSON report's ``session`` object. Called just before the watchdog stops."""
-    return {}
+    state = config.stash.get(CI, None)
+    session = config.stash.get(plugin.SESSION, None)
+    if state is None or session is None or session.watchdog is None:
+        return {}
+    events: list[dict[str, Any]] = []
+    path = session.settings.trace
+    if path:
+        if scopes._state is not None:
+            scopes._state.flush_trace()  # scopes that ended after the plugin's flush
+        events = trace.read_events(session.watchdog.directory)
+        facts = {
+            "pid": os.getpid(),
+            "started": session.started,
+            "args": list(config.invocation_params.args),
+        }
+        try:
+            trace.write(path, events, plugin._records(config), facts)
+        except OSError as exc:
+            sys.stderr.write(f"pytest-elastic-timer: cannot write {path}: {exc}\n")
+    return {
+        "exitstatus": state.exitstatus,
+        "slow_fraction": state.slow,
+        "slow": [p.to_json(state.slow) for p in slow_phases(state)],
+        "slowest": slowest(state.phases, events, [r for v in state.expired.values() for r in v]),
+    }
+
+
+def slowest(
+    phases: list[PhaseTime],
+    events: list[dict[str, Any]],
+    expired: Sequence[ExpiryRecord] = (),
+    tests: int = SLOWEST_TESTS,
+    per_test: int = SLOWEST_SCOPES,
+) -> list[dict[str, Any]]:
+    """Per test, its slowest scopes (phases, and traced scopes of every process when
+    tracing is on), for the ``tests`` tests whose slowest scope took longest."""
+    budgets = {(r.nodeid, r.scope): r.budget for r in expired}
+    by_test: dict[str, dict[str, dict[str, Any]]] = {}
+    for phase in phases:
+        by_test.setdefault(phase.nodeid, {})[phase.scope] = {
+            "scope": phase.scope,
+            "seconds": round(phase.seconds, 6),
+            "budget": phase.budget,
+        }
+    for event in events:
+        nodeid = str(event.get("nodeid") or "")
+        if not nodeid:
+            continue
+        seconds = round(float(event["end"]) - float(event["start"]), 6)
+        known = by_test.setdefault(nodeid, {})
+        path = str(event.get("path", ""))
+        entry = known.get(path)
+        if entry is None or entry["seconds"] < seconds:
+            known[path] = {
+                "scope": path,
+                "seconds": seconds,
+                "budget": entry["budget"] if entry else budgets.get((nodeid, path)),
+            }
+    ranked: list[dict[str, Any]] = []
+    for nodeid, found in by_test.items():
+        top = sorted(found.values(), key=lambda s: -s["seconds"])[:per_test]
+        ranked.append({"nodeid": nodeid, "scopes": top})
+    ranked.sort(key=lambda t: -t["scopes"][0]["seconds"] if t["scopes"] else 0.0)
+    return ranked[:tests]

@@ -1,0 +1,642 @@
+"""CI outputs: the JSON report against its schema, JUnit XML, GitHub Actions annotations
+and step summary, the trace timeline, slow warnings, and the fallback JUnit file the
+watchdog writes when pytest was killed."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+from helpers import HEADER, LEAN, REPORT_NAME, Session, run, scope_line, wait_gone
+
+from pytest_elastic_timer import ci_reports, junit_fallback, trace
+from pytest_elastic_timer.records import ExpiryRecord
+
+# Inner sessions under xdist: LEAN without "-p no:xdist".
+XDIST = (
+    *("-p", "no:cacheprovider", "-p", "no:asyncio", "-p", "no:hypothesispytest"),
+    *("-p", "no:timeout", "-n", "2"),
+)
+FAILURE_TYPE = "pytest_elastic_timer.ScopeExpired"
+PROPERTIES = ("scope", "budget", "elapsed", "pid", "label", "action")
+CHILD = '''
+CHILD = """
+import time
+import pytest_elastic_timer
+with pytest_elastic_timer.expires(0.5, scope='child'):
+    time.sleep(30)
+"""
+
+
+def test_rank():
+    env = dict(os.environ, RANK="{rank}")
+    proc = subprocess.run([sys.executable, "-c", CHILD], env=env, timeout=60)
+    assert proc.returncode == 0
+'''
+
+
+def record_of(data: dict[str, Any], scope: str) -> ExpiryRecord:
+    found = [r for r in data["expired"] if r["scope"] == scope]
+    assert len(found) == 1, (scope, [r["scope"] for r in data["expired"]])
+    return ExpiryRecord.from_json(found[0])
+
+
+def line_of(path: Path, text: str) -> int:
+    """The 1-based line of ``path`` that holds ``text``."""
+    lines = path.read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if text in line)
+
+
+def validate(data: dict[str, Any]) -> None:
+    jsonschema.Draft202012Validator(ci_reports.report_schema()).validate(data)
+
+
+def junit_cases(path: Path) -> dict[str, ET.Element]:
+    root = ET.parse(path).getroot()
+    assert root.tag == "testsuites"
+    return {f"{c.get('classname')}::{c.get('name')}": c for c in root.iter("testcase")}
+
+
+def properties(case: ET.Element) -> dict[str, str]:
+    props = case.find("properties")
+    assert props is not None, ET.tostring(case, encoding="unicode")
+    return {str(p.get("name")): str(p.get("value")) for p in props}
+
+
+def assert_expired_case(case: ET.Element, record: ExpiryRecord, tag: str = "failure") -> None:
+    """A testcase failed by ``record``'s scope, as GitLab and JUnit viewers read it."""
+    (problem,) = case.findall(tag)
+    line = record.line_text()
+    assert problem.get("type") == FAILURE_TYPE
+    assert problem.get("message") == line
+    assert (problem.text or "").splitlines()[0] == line
+    props = properties(case)
+    assert {k: props[f"elastic_timer_{k}"] for k in PROPERTIES} == {
+        "scope": record.scope,
+        "budget": f"{record.budget:g}",
+        "elapsed": f"{record.elapsed:.3f}",
+        "pid": str(record.pid),
+        "label": record.label,
+        "action": record.action,
+    }
+
+
+def trace_parts(path: Path) -> tuple[dict[int, str], list[dict[str, Any]], list[dict[str, Any]]]:
+    """(process names by pid, complete events, instant events) of a trace file."""
+    data = json.loads(path.read_text())
+    assert data["otherData"]["generator"] == "pytest-elastic-timer"
+    events = data["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    slices = [e for e in events if e["ph"] == "X"]
+    instants = [e for e in events if e["ph"] == "i"]
+    for event in slices:
+        assert event["dur"] >= 0 and event["ts"] >= 0 and event["pid"] in names
+    return names, slices, instants
+
+
+def github(monkeypatch: pytest.MonkeyPatch, workspace: Path) -> Path:
+    summary = workspace / "step-summary.md"
+    monkeypatch.setenv("GITHUB_ACTIONS", "true")
+    monkeypatch.setenv("GITHUB_WORKSPACE", str(workspace))
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    return summary
+
+
+def annotation_lines(session: Session) -> list[str]:
+    return [line for line in session.stdout.splitlines() if line.startswith("::")]
+
+
+def summary_row(r: ExpiryRecord) -> str:
+    return (
+        f"| `{r.nodeid}` | `{r.scope}` | {r.budget:g}s | {r.elapsed:.2f}s | {r.action} "
+        f"| {r.owner_text()} |"
+    )
+
+
+# -- one single-process session: every output ------------------------------------------
+SINGLE = (
+    """
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import pytest_elastic_timer as et
+
+
+@pytest.mark.expires(5)
+def test_odd():
+    with et.expires(0.3, scope="50%,\\nnext: 1"):
+        time.sleep(30)
+
+
+@pytest.fixture
+def stuck():
+    time.sleep(30)
+
+
+@pytest.mark.expires(5, setup=0.3)
+def test_setup(stuck):
+    pass
+"""
+    + CHILD.format(rank=1)
+    + """
+
+@pytest.mark.expires(1)
+def test_slow():
+    time.sleep(0.45)
+
+
+def test_many():
+    for i in range(11):
+        try:
+            with et.expires(0.05, scope=f"s{i}"):
+                time.sleep(5)
+        except et.ScopeExpired:
+            pass
+"""
+)
+
+
+def test_single_process_outputs(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    summary = github(monkeypatch, pytester.path)
+    source = pytester.makepyfile(test_ci=SINGLE)
+    pytester.makeini("[pytest]\nelastic_timer_slow = 0.9\n")  # the CLI wins
+    session = run(
+        pytester,
+        "--junitxml=junit.xml",
+        "--elastic-timer-trace=trace.json",
+        "--elastic-timer-slow=0.4",
+    )
+    session.assert_clean()
+    session.result.assert_outcomes(failed=3, passed=2)  # TIMEOUT counts as failed
+    data = session.report
+    assert data is not None
+    validate(data)
+    odd = record_of(data, "test_odd::call/50%,\nnext: 1")
+    setup = record_of(data, "test_setup::setup")
+    child = record_of(data, "child")
+    assert odd.line == line_of(source, "with et.expires(0.3")
+    assert (child.label, child.nodeid, child.file) == (
+        "rank 1",
+        "test_ci.py::test_rank",
+        "<string>",
+    )
+    assert len(data["expired"]) == 14
+
+    # JSON: session facts, slow phases and per-test slowest scopes.
+    facts = data["session"]
+    assert facts["exitstatus"] == 1 and facts["slow_fraction"] == 0.4
+    assert facts["workers"] == [] and facts["root_died"] is False
+    (slow,) = facts["slow"]
+    assert (slow["nodeid"], slow["scope"], slow["budget"]) == (
+        "test_ci.py::test_slow",
+        "test_slow::call",
+        1.0,
+    )
+    assert 0.4 <= slow["share"] < 1 and slow["suggested_budget"] > 1
+    slowest = {t["nodeid"]: t["scopes"] for t in facts["slowest"]}
+    assert slowest["test_ci.py::test_slow"][0]["scope"] == "test_slow::call"
+    assert "child" in [s["scope"] for s in slowest["test_ci.py::test_rank"]]  # traced
+    assert {"scope": "test_setup::setup", "budget": 0.3}.items() <= slowest[
+        "test_ci.py::test_setup"
+    ][0].items()
+
+    # Terminal: SLOW with its share.
+    slow_lines = [line for line in session.lines if line.startswith("SLOW ")]
+    assert len(slow_lines) == 1, slow_lines
+    assert re.fullmatch(
+        r"SLOW test_ci\.py::test_slow call: 0\.\d\ds of 1s budget \((4\d|[5-9]\d)%\); "
+        r"suggested budget \d+(\.\d+)?s",
+        slow_lines[0],
+    ), slow_lines
+
+    # JUnit: the expired tests, parsed.
+    cases = junit_cases(pytester.path / "junit.xml")
+    assert_expired_case(cases["test_ci::test_odd"], odd)
+    assert_expired_case(cases["test_ci::test_setup"], setup, tag="error")
+    assert_expired_case(cases["test_ci::test_rank"], child)
+    assert "assert 1 == 0" in (cases["test_ci::test_rank"].findtext("failure") or "")
+    for name in ("test_slow", "test_many"):
+        assert not cases[f"test_ci::{name}"].findall("failure")
+
+    # GitHub Actions: exact annotation lines, escaped, at most 10 and a note of the rest.
+    lines = annotation_lines(session)
+    assert len(lines) == 11, lines
+    assert lines[0] == (
+        f"::error file=test_ci.py,line={odd.line},"
+        "title=elastic-timer%3A test_odd%3A%3Acall/50%25%2C%0Anext%3A 1 expired::"
+        f"scope 'test_odd::call/50%25,\\nnext: 1' expired after {odd.elapsed:.2f}s "
+        f"(budget 0.3s): interrupted%0Atest: test_ci.py::test_odd%0Aprocess: pid {odd.pid}"
+    )
+    assert lines[1] == (
+        f"::error file=test_ci.py,line={line_of(source, 'def test_setup') - 1},"
+        "title=elastic-timer%3A test_setup%3A%3Asetup expired::"
+        f"{setup.line_text()}%0Atest: test_ci.py::test_setup%0Aprocess: pid {setup.pid}"
+    )
+    # The child entered its scope in `python -c`: the annotation points at the test.
+    assert lines[2] == (
+        f"::error file=test_ci.py,line={line_of(source, 'def test_rank')},"
+        "title=elastic-timer%3A child expired::"
+        f"{child.line_text()}%0Atest: test_ci.py::test_rank%0Aprocess: rank 1, pid {child.pid}"
+    )
+    assert all(line.startswith("::error file=test_ci.py,line=") for line in lines[:10])
+    assert lines[10] == (
+        "::warning title=elastic-timer::4 more expired scope(s) not annotated "
+        "(at most 10 per session); see the job summary or the JSON report"
+    )
+
+    # GitHub Actions: the step summary table, every expired scope, then the slow one.
+    table = summary.read_text().splitlines()
+    assert table[:4] == [
+        "### elastic-timer: 14 expired scope(s)",
+        "",
+        "| test | scope | budget | elapsed | action | process |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    # A cell is one line: the newline of the scope name becomes a space.
+    assert table[4] == summary_row(odd).replace("\n", " ")
+    assert table[5:7] == [summary_row(setup), summary_row(child)]
+    assert len([row for row in table if row.startswith("| `test_ci.py::test_many` |")]) == 11
+    assert "### elastic-timer: 1 slow scope(s) (>= 40% of their budget)" in table
+    assert re.search(
+        r"^\| `test_ci\.py::test_slow` \| `test_slow::call` \| 0\.\d\ds \| 1s \| \d+% \| \S+s \|$",
+        "\n".join(table),
+        re.M,
+    )
+
+    # Trace: loads as JSON, one track per process, scopes and expiries.
+    names, slices, instants = trace_parts(pytester.path / "trace.json")
+    assert names[facts["pid"]] == f"pytest (pid {facts['pid']})"
+    assert names[child.pid] == f"rank 1 (pid {child.pid})"
+    paths = {(e["pid"], e["args"]["path"]) for e in slices}
+    for scope in ("test_odd::call", odd.scope, "test_rank::call", "test_slow::call"):
+        assert (facts["pid"], scope) in paths
+    assert (child.pid, "child") in paths
+    assert len(instants) == 14
+    assert {(e["pid"], e["args"]["scope"]) for e in instants} == {
+        (r["pid"], r["scope"]) for r in data["expired"]
+    }
+    assert all(e["s"] == "p" and e["name"] == f"expired: {e['args']['scope']}" for e in instants)
+    expired = {e["args"]["path"] for e in slices if e["args"]["expired"]}
+    assert expired == {r["scope"] for r in data["expired"]}
+
+
+# -- xdist: a worker ended over a C loop, and a rank of another worker -------------------
+XDIST_TESTS = """
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import pytest_elastic_timer as et
+
+
+@pytest.mark.expires(1)
+def test_gil():
+    sum(range(10**11))
+
+
+def test_steps():
+    with et.expires(5, scope="step"):
+        time.sleep(0.1)
+""" + CHILD.format(rank=0)
+
+
+def test_xdist_outputs(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    summary = github(monkeypatch, pytester.path)
+    source = pytester.makepyfile(test_x=XDIST_TESTS)
+    session = run(
+        pytester,
+        *XDIST,
+        "--elastic-timer-grace=0.3",
+        "--junitxml=junit.xml",
+        "--elastic-timer-trace=trace.json",
+        lean=False,
+    )
+    session.assert_clean()
+    session.result.assert_outcomes(failed=2, passed=1)
+    data = session.report
+    assert data is not None
+    validate(data)
+    gil = record_of(data, "test_gil::call")
+    child = record_of(data, "child")
+    assert gil.action in ("terminated", "killed") and re.fullmatch(r"gw\d", gil.worker)
+    assert child.label == "rank 0" and re.fullmatch(r"gw\d", child.worker)
+    assert data["session"]["slow_fraction"] == 0.8  # the default
+
+    cases = junit_cases(pytester.path / "junit.xml")
+    assert_expired_case(cases["test_x::test_gil"], gil)
+    assert_expired_case(cases["test_x::test_rank"], child)
+    assert not cases["test_x::test_steps"].findall("failure")
+
+    lines = sorted(annotation_lines(session))  # xdist: in the order the tests ended
+    assert lines == sorted(
+        [
+            f"::error file=test_x.py,line={line_of(source, 'mark.expires(1)')},"
+            "title=elastic-timer%3A test_gil%3A%3Acall expired::"
+            f"{gil.line_text()}%0Atest: test_x.py::test_gil%0Aprocess: {gil.owner_text()}",
+            f"::error file=test_x.py,line={line_of(source, 'def test_rank')},"
+            "title=elastic-timer%3A child expired::"
+            f"{child.line_text()}%0Atest: test_x.py::test_rank%0Aprocess: {child.owner_text()}",
+        ]
+    )
+    table = summary.read_text().splitlines()
+    assert table[0] == "### elastic-timer: 2 expired scope(s)"
+    assert sorted(table[4:6]) == sorted([summary_row(gil), summary_row(child)])
+
+    names, slices, instants = trace_parts(pytester.path / "trace.json")
+    assert names[gil.pid] == f"{gil.worker} (pid {gil.pid})"
+    assert names[child.pid] == f"{child.worker} rank 0 (pid {child.pid})"
+    # The worker never left its scope: the record gives the slice, ended by the watchdog.
+    (gil_slice,) = [e for e in slices if e["args"]["path"] == "test_gil::call"]
+    assert gil_slice["pid"] == gil.pid and gil_slice["args"]["expired"] is True
+    assert gil_slice["args"]["action"] == gil.action
+    assert gil_slice["dur"] >= 1e6
+    assert any(e["args"]["path"] == "test_steps::call/step" for e in slices)
+    assert sorted((e["pid"], e["args"]["scope"]) for e in instants) == sorted(
+        [(gil.pid, gil.scope), (child.pid, "child")]
+    )
+
+
+# -- kill -9 of pytest: the watchdog writes the JUnit file ------------------------------
+KILLED = """
+import time
+import pytest_elastic_timer as et
+
+
+def test_before():
+    pass
+
+
+def test_stuck():
+    try:
+        with et.expires(0.3, scope="wait for peer"):
+            time.sleep(30)
+    except et.ScopeExpired:
+        print("caught", flush=True)
+    time.sleep(60)
+"""
+
+
+def test_fallback_junit_after_kill_9(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_k=KILLED)
+    junit = pytester.path / "junit.xml"
+    output = pytester.path / "output.txt"
+    report = pytester.path / REPORT_NAME
+    with open(output, "w") as out:
+        proc = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "pytest", *LEAN, "-s"),
+                *(f"--junitxml={junit}", f"--elastic-timer-report={report}"),
+            ],
+            cwd=pytester.path,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    try:
+        give_up = time.monotonic() + 60
+        while "caught" not in output.read_text() and time.monotonic() < give_up:
+            time.sleep(0.02)
+        assert "caught" in output.read_text(), output.read_text()
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    match = next(filter(None, map(HEADER.match, output.read_text().splitlines())))
+    assert wait_gone(int(match.group(1)), 10.0), "the watchdog outlived the killed pytest"
+    data = json.loads(report.read_text())
+    validate(data)
+    record = record_of(data, "test_stuck::call/wait for peer")
+
+    root = ET.parse(junit).getroot()
+    (suite,) = root.findall("testsuite")
+    assert (suite.get("tests"), suite.get("failures"), suite.get("errors")) == ("2", "1", "1")
+    cases = junit_cases(junit)
+    assert set(cases) == {"test_k::test_stuck", "pytest::session-ended"}
+    stuck = cases["test_k::test_stuck"]
+    assert stuck.get("file") == "test_k.py"
+    assert_expired_case(stuck, record)
+    assert scope_line("test_stuck::call/wait for peer", "0.3").match(record.line_text())
+    (error,) = cases["pytest::session-ended"].findall("error")
+    assert error.get("type") == "pytest_elastic_timer.SessionEnded"
+    assert error.get("message") == (
+        f"pytest (pid {proc.pid}) was ended before it wrote its JUnit XML report"
+    )
+
+
+# -- off switches and bad values ----------------------------------------------------------
+def test_no_github_outputs_outside_github_and_slow_off(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("GITHUB_ACTIONS", raising=False)
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(pytester.path / "summary.md"))
+    pytester.makepyfile(
+        test_off="""
+        import time
+        import pytest
+
+        @pytest.mark.expires(0.3)
+        def test_hang():
+            time.sleep(30)
+
+        @pytest.mark.expires(1)
+        def test_slow():
+            time.sleep(0.3)
+        """
+    )
+    session = run(pytester, "--elastic-timer-slow=0")
+    session.assert_clean()
+    session.result.assert_outcomes(failed=1, passed=1)
+    assert not annotation_lines(session)
+    assert not (pytester.path / "summary.md").exists()
+    assert "SLOW" not in session.stdout
+    assert session.report is not None
+    assert session.report["session"]["slow"] == []
+
+
+@pytest.mark.parametrize(
+    ("args", "ini", "message"),
+    [
+        (["--elastic-timer-slow=1.5"], "", "--elastic-timer-slow must be a fraction between "
+         "0 and 1, not '1.5'"),
+        ([], "elastic_timer_slow = soon", "ini option 'elastic_timer_slow' must be a fraction "
+         "between 0 and 1, not 'soon'"),
+    ],
+)  # fmt: skip
+def test_bad_slow_fraction_is_a_usage_error(
+    pytester: pytest.Pytester, args: list[str], ini: str, message: str
+) -> None:
+    pytester.makeini(f"[pytest]\n{ini}\n")
+    pytester.makepyfile(test_a="def test_a(): pass")
+    session = run(pytester, *args, report=False)
+    assert session.result.ret == pytest.ExitCode.USAGE_ERROR
+    assert f"ERROR: {message}" in session.stderr
+    assert "INTERNALERROR" not in session.text
+
+
+# -- the pieces, without a session ---------------------------------------------------------
+def record(**fields: Any) -> ExpiryRecord:
+    base: dict[str, Any] = {
+        "nodeid": "tests/test_a.py::test_b",
+        "scope": "test_b::call",
+        "budget": 2.0,
+        "elapsed": 2.004,
+        "pid": 42,
+        "label": "",
+        "worker": "",
+        "file": "",
+        "line": 0,
+        "action": "interrupted",
+        "stack": "",
+    }
+    return ExpiryRecord(**{**base, **fields})
+
+
+def test_escaping_follows_githubs_rules() -> None:
+    assert ci_reports.escape_data("100% done\r\nnext: a, b") == "100%25 done%0D%0Anext: a, b"
+    assert ci_reports.escape_property("100% done\r\nnext: a, b") == (
+        "100%25 done%0D%0Anext%3A a%2C b"
+    )
+    assert ci_reports.escape_property("%3A") == "%253A"  # escaped once, not twice
+
+
+def test_annotations_cap_and_location(tmp_path: Path) -> None:
+    test_file = tmp_path / "tests" / "test_a.py"
+    test_file.parent.mkdir()
+    test_file.write_text("def test_b():\n    pass\n")
+    found = [
+        record(file=str(test_file), line=1, scope="a,b:c"),
+        record(file="/elsewhere/x.py", line=3, label="rank 2", worker="gw1"),
+        record(nodeid="", scope="session", file=str(tmp_path), line=0),
+    ]
+    locations = {"tests/test_a.py::test_b": ("tests/test_a.py", 0)}
+    lines = ci_reports.github_annotations(found, str(tmp_path), str(tmp_path), locations, limit=2)
+    assert lines == [
+        "::error file=tests/test_a.py,line=1,title=elastic-timer%3A a%2Cb%3Ac expired::"
+        "scope 'a,b:c' expired after 2.00s (budget 2s): interrupted"
+        "%0Atest: tests/test_a.py::test_b%0Aprocess: pid 42",
+        # Outside the workspace: the test's own location.
+        "::error file=tests/test_a.py,line=1,title=elastic-timer%3A test_b%3A%3Acall expired::"
+        "scope 'test_b::call' expired after 2.00s (budget 2s): interrupted"
+        "%0Atest: tests/test_a.py::test_b%0Aprocess: rank 2, pid 42, worker gw1",
+        "::warning title=elastic-timer::1 more expired scope(s) not annotated "
+        "(at most 2 per session); see the job summary or the JSON report",
+    ]
+    # No file to point at: an annotation without a location.
+    (session,) = ci_reports.github_annotations(found[2:], str(tmp_path), str(tmp_path))
+    assert session == (
+        "::error title=elastic-timer%3A session expired::"
+        "scope 'session' expired after 2.00s (budget 2s): interrupted%0Aprocess: pid 42"
+    )
+
+
+def test_step_summary_escapes_cells() -> None:
+    slow = ci_reports.PhaseTime("t.py::test_x[a|b]", "call", 0.9, 1.0)
+    text = ci_reports.step_summary([record(scope="pipe|`tick`")], [slow], 0.8)
+    assert text.splitlines() == [
+        "### elastic-timer: 1 expired scope(s)",
+        "",
+        "| test | scope | budget | elapsed | action | process |",
+        "| --- | --- | --- | --- | --- | --- |",
+        "| `tests/test_a.py::test_b` | pipe\\|\\`tick\\` | 2s | 2.00s | interrupted | pid 42 |",
+        "",
+        "### elastic-timer: 1 slow scope(s) (>= 80% of their budget)",
+        "",
+        "| test | scope | duration | budget | share | suggested budget |",
+        "| --- | --- | --- | --- | --- | --- |",
+        "| `t.py::test_x[a\\|b]` | `test_x[a\\|b]::call` | 0.90s | 1s | 90% | 1.5s |",
+        "",  # a blank line ends the table before whatever the next step appends
+    ]
+
+
+@pytest.mark.parametrize(
+    ("seconds", "nice"),
+    [(0.9, 1.0), (1.01, 1.5), (1.6, 2.0), (2.5, 3.0), (4, 5.0), (6, 7.5), (8, 10.0), (0.031, 0.05)],
+)
+def test_suggested_budgets_are_round(seconds: float, nice: float) -> None:
+    assert ci_reports.nice_ceil(seconds) == nice
+
+
+def test_schema_is_a_valid_versioned_json_schema() -> None:
+    schema = ci_reports.report_schema()
+    jsonschema.Draft202012Validator.check_schema(schema)
+    assert schema["properties"]["version"] == {
+        "const": 1,
+        "description": schema["properties"]["version"]["description"],
+    }
+    bad = {"version": 1, "expired": [{"nodeid": "x"}], "session": {}}
+    with pytest.raises(jsonschema.ValidationError):
+        validate(bad)
+
+
+def test_trace_merges_files_and_records(tmp_path: Path) -> None:
+    def line(pid: int, path: str, start: float, end: float, tid: int, **extra: Any) -> str:
+        event = {"pid": pid, "label": "", "worker": "gw0", "path": path, "start": start}
+        event.update(end=end, tid=tid, nodeid="t.py::test_a", expired=False)
+        event.update(extra)
+        return json.dumps(event) + "\n"
+
+    (tmp_path / "trace-10-a").write_text(
+        line(10, "test_a::call", 100.0, 101.0, 0)  # outermost scope, thread unknown
+        + line(10, "test_a::call/load", 100.2, 100.5, 7)
+        + '{"pid": 10, "path": "torn'
+    )
+    (tmp_path / "trace-11-b").write_text(
+        line(11, "child", 100.1, 100.6, 5, label="rank 3", expired=True)
+    )
+    found = [
+        record(pid=11, scope="child", budget=0.5, deadline=100.6, ended=100.6),
+        # The worker was ended inside its scope: no trace event, the record has it.
+        record(pid=12, scope="test_c::call", budget=1.0, deadline=102.0, ended=102.5, worker="gw1"),
+    ]
+    events = trace.read_events(str(tmp_path))
+    assert len(events) == 3
+    out = trace.build(events, found, {"pid": 1})
+    json.loads(json.dumps(out))
+    names = {e["pid"]: e["args"]["name"] for e in out["traceEvents"] if e["name"] == "process_name"}
+    assert names == {10: "gw0 (pid 10)", 11: "gw0 rank 3 (pid 11)", 12: "gw1 (pid 12)"}
+    slices = {(e["pid"], e["args"]["path"]): e for e in out["traceEvents"] if e["ph"] == "X"}
+    assert slices[(10, "test_a::call")]["tid"] == slices[(10, "test_a::call/load")]["tid"]
+    assert slices[(10, "test_a::call")]["ts"] == 0.0
+    assert slices[(10, "test_a::call")]["dur"] == pytest.approx(1e6)
+    assert slices[(11, "child")]["args"]["expired"] is True
+    ended = slices[(12, "test_c::call")]
+    assert ended["args"] == {"path": "test_c::call", "expired": True, "nodeid": record().nodeid,
+                             "raised": False, "action": "interrupted"}  # fmt: skip
+    assert (ended["ts"], ended["dur"]) == (pytest.approx(1e6), pytest.approx(1.5e6))
+    instants = [e for e in out["traceEvents"] if e["ph"] == "i"]
+    assert [(e["pid"], e["ts"]) for e in instants] == [
+        (11, pytest.approx(0.6e6)),
+        (12, pytest.approx(2e6)),
+    ]
+    page = trace.render_html(out)
+    assert page.count("<rect") >= 4 and "gw0 rank 3 (pid 11)" in page
+
+
+def test_fallback_file_is_valid_xml_with_awkward_text(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "junit.xml"
+    stack = 'File "x.py", line 1 <&>\x00\x1b[31m'
+    junit_fallback.write(
+        str(path),
+        [record(stack=stack), record(nodeid="", scope="session", phase="collection")],
+        {"pid": 7, "started": 1.0, "ended": 3.5},
+    )
+    cases = junit_cases(path)
+    assert set(cases) == {"tests.test_a::test_b", "pytest::session", "pytest::session-ended"}
+    assert_expired_case(cases["tests.test_a::test_b"], record())
+    assert "<&>#x00#x1B[31m" in (cases["tests.test_a::test_b"].findtext("failure") or "")
+    suite = ET.parse(path).getroot().find("testsuite")
+    assert suite is not None and suite.get("time") == "2.500"
