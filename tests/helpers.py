@@ -1,0 +1,202 @@
+"""Helpers for the plugin tests: run an inner pytest session and read what it reported."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+try:
+    from pytest_elastic_timer.startup import ENV_DUMP_SIGNAL
+except ImportError:  # a version without start-up stack dumps
+    ENV_DUMP_SIGNAL = "PYTEST_ELASTIC_TIMER_DUMP_SIGNAL"
+
+# Inner sessions load only what they need: the plugin under test (autoloaded, as for a
+# user), pytest itself, no cache. The heavier third-party plugins of this environment
+# would add a second of start-up to every inner session.
+LEAN = (
+    "-p",
+    "no:cacheprovider",
+    "-p",
+    "no:asyncio",
+    "-p",
+    "no:hypothesispytest",
+    "-p",
+    "no:xdist",
+    "-p",
+    "no:timeout",
+)
+HEADER = re.compile(
+    r"^elastic-timer: watchdog pid (\d+), default budget (\S+), grace (\S+), scale (\S+)$"
+)
+REPORT_NAME = "elastic-report.json"
+CONTRACT_FIELDS = (
+    "nodeid",
+    "scope",
+    "budget",
+    "elapsed",
+    "pid",
+    "label",
+    "worker",
+    "file",
+    "line",
+    "action",
+    "stack",
+)
+
+
+def scope_line(scope: str, budget: str, action: str = "interrupted") -> re.Pattern[str]:
+    """The first line of every report of an expiry, with any elapsed time."""
+    return re.compile(
+        rf"^scope {re.escape(repr(scope))} expired after (\d+\.\d\d)s "
+        rf"\(budget {re.escape(budget)}s\): {action}$"
+    )
+
+
+def wait_gone(pid: int, timeout: float) -> bool:
+    """Whether process ``pid`` ends (or is a zombie) within ``timeout`` seconds."""
+    give_up = time.monotonic() + timeout
+    while time.monotonic() < give_up:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@dataclass
+class Session:
+    """One finished inner pytest session."""
+
+    result: pytest.RunResult
+    seconds: float
+    stdout: str
+    stderr: str
+    report: dict[str, Any] | None
+    watchdog_pid: int | None
+
+    @property
+    def text(self) -> str:
+        return self.stdout + "\n" + self.stderr
+
+    @property
+    def lines(self) -> list[str]:
+        return self.text.splitlines()
+
+    def record(self, scope: str) -> dict[str, Any]:
+        """The JSON report's record of ``scope`` (exactly one must exist)."""
+        assert self.report is not None, "no JSON report was written"
+        found = [r for r in self.report["expired"] if r["scope"] == scope]
+        scopes = [r["scope"] for r in self.report["expired"]]
+        assert len(found) == 1, f"records for {scope!r}: {found!r}; all scopes: {scopes}"
+        return found[0]
+
+    def failure_lead(self, name: str) -> str:
+        """The first line of the failure (or error) section of test ``name``."""
+        pattern = re.compile(rf"^_+ (ERROR at \w+ of )?{re.escape(name)} _+$")
+        lines = self.stdout.splitlines()
+        for index, line in enumerate(lines):
+            if pattern.match(line):
+                return next((s for s in lines[index + 1 :] if s.strip()), "")
+        raise AssertionError(f"no failure section for {name!r} in:\n{self.stdout}")
+
+    def assert_expired(self, test: str, scope: str, budget: float) -> dict[str, Any]:
+        """Test ``test`` failed in about ``budget`` because ``scope`` expired: the scope
+        line leads its failure and the JSON report has the record (returned)."""
+        lead = self.failure_lead(test)
+        assert scope_line(scope, f"{budget:g}").match(lead), lead
+        record = self.record(scope)
+        assert_in_budget(self, record, budget)
+        return record
+
+    def assert_clean(self) -> None:
+        """Never an INTERNALERROR or a crash of pytest, and the watchdog is gone."""
+        assert "INTERNALERROR" not in self.text
+        assert "Traceback (most recent call last)" not in self.stderr, self.stderr
+        if self.watchdog_pid is not None:
+            assert wait_gone(self.watchdog_pid, 3.0), "the watchdog outlived its session"
+
+
+@contextlib.contextmanager
+def top_level_environment() -> Iterator[None]:
+    """Start a pytest like a user's shell would: without the stack-dump set-up that the
+    outer session (the one running these tests) gives every process it starts.
+
+    The outer session's ``PYTEST_ELASTIC_TIMER`` address stays: the inner session
+    replaces it with its own watchdog's (see test_nested_session_dumps_stacks for the
+    inner session that inherits everything).
+    """
+    saved = os.environ.pop(ENV_DUMP_SIGNAL, None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ[ENV_DUMP_SIGNAL] = saved
+
+
+def run(
+    pytester: pytest.Pytester,
+    *args: str,
+    report: bool = True,
+    lean: bool = True,
+    nested: bool = False,
+    timeout: float = 60,
+) -> Session:
+    """Run pytest in a subprocess in ``pytester.path`` (a real watchdog starts)."""
+    report_path = pytester.path / REPORT_NAME
+    extra = [f"--elastic-timer-report={report_path}"] if report else []
+    started = time.monotonic()
+    with contextlib.nullcontext() if nested else top_level_environment():
+        try:
+            result = pytester.runpytest_subprocess(
+                *(LEAN if lean else ()), *extra, *args, timeout=timeout
+            )
+        except pytester.TimeoutExpired:
+            out, err = _read(pytester.path / "stdout"), _read(pytester.path / "stderr")
+            raise AssertionError(
+                f"the inner session ran over {timeout}s\n--- stdout\n{out}\n--- stderr\n{err}"
+            ) from None
+    seconds = time.monotonic() - started
+    watchdog_pid = None
+    for line in result.outlines:
+        match = HEADER.match(line)
+        if match:
+            watchdog_pid = int(match.group(1))
+            break
+    # When the watchdog had to end pytest, it writes its summary and the JSON report
+    # once pytest is gone: wait for it, then read its output again.
+    if watchdog_pid is not None:
+        wait_gone(watchdog_pid, 5.0)
+    loaded = None
+    if report and report_path.exists():
+        loaded = json.loads(report_path.read_text())
+    return Session(
+        result,
+        seconds,
+        _read(pytester.path / "stdout"),
+        _read(pytester.path / "stderr"),
+        loaded,
+        watchdog_pid,
+    )
+
+
+def _read(path: Path) -> str:
+    return path.read_text(encoding="utf-8", errors="replace") if path.exists() else ""
+
+
+def assert_in_budget(session: Session, record: dict[str, Any], budget: float) -> None:
+    """The scope failed in about its budget: generous bounds, no speed targets."""
+    assert session.seconds < budget + 10
+    assert record["budget"] == pytest.approx(budget)
+    assert budget <= record["elapsed"] < budget + 3

@@ -1,0 +1,801 @@
+"""The plugin in real inner pytest sessions, each with its own watchdog process (issue 2)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from helpers import (
+    CONTRACT_FIELDS,
+    HEADER,
+    LEAN,
+    REPORT_NAME,
+    run,
+    scope_line,
+    wait_gone,
+)
+
+BEFORE = """
+def test_before():
+    pass
+"""
+AFTER = """
+def test_after():
+    pass
+"""
+
+
+def marked_hang(budget: float, name: str = "test_x") -> str:
+    """A test module whose test ``name`` hangs in a sleep under ``expires(budget)``."""
+    return f"""
+import time
+import pytest
+
+@pytest.mark.expires({budget})
+def {name}():
+    time.sleep(30)
+"""
+
+
+def _line_of(path: Path, text: str) -> int:
+    """The 1-based number of the line of ``path`` that contains ``text``."""
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if text in line:
+            return number
+    raise AssertionError(f"{text!r} not in {path}")
+
+
+# -- hangs fail in about their budget, name their scope, and the session runs on ----
+HANGS = {
+    "sleep": (
+        "",
+        marked_hang(0.5),
+        "test_x::call",
+        "@pytest.mark.expires(0.5)",
+        "time.sleep(30)",
+    ),
+    "lock-deadlock": (
+        "",
+        """
+        import threading
+        import pytest
+
+        @pytest.mark.expires(0.5)
+        def test_x():
+            lock = threading.Lock()
+            lock.acquire()
+            lock.acquire()
+        """,
+        "test_x::call",
+        "@pytest.mark.expires(0.5)",
+        "lock.acquire()",
+    ),
+    "nested-step": (
+        "",
+        """
+        import time
+        import pytest_elastic_timer
+
+        def test_x():
+            with pytest_elastic_timer.expires(after=0.5, scope="inner-step"):
+                time.sleep(30)
+        """,
+        "test_x::call/inner-step",
+        'scope="inner-step"',
+        "time.sleep(30)",
+    ),
+    "session-fixture": (
+        """
+        import time
+        import pytest
+        import pytest_elastic_timer
+
+        @pytest.fixture(scope="session")
+        def resource():
+            with pytest_elastic_timer.expires(after=0.5, scope="resource"):
+                time.sleep(30)
+            return 1
+        """,
+        """
+        def test_x(resource):
+            pass
+        """,
+        "test_x::setup/resource",
+        'scope="resource"',
+        "time.sleep(30)",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(HANGS))
+def test_hang_fails_in_its_budget_naming_the_scope(pytester: pytest.Pytester, kind: str) -> None:
+    conftest, body, scope, entered, stuck = HANGS[kind]
+    if conftest:
+        pytester.makeconftest(conftest)
+    path = pytester.makepyfile(test_hang=BEFORE + textwrap.dedent(body) + AFTER)
+    session = run(pytester)
+    session.assert_clean()
+    in_fixture = kind == "session-fixture"
+    outcomes = session.result.parseoutcomes()
+    assert outcomes.get("passed") == 2
+    if in_fixture:  # an error (see test_setup_expiry_is_an_error), or a failure
+        assert outcomes.get("errors", 0) + outcomes.get("failed", 0) == 1
+    else:
+        session.result.assert_outcomes(passed=2, failed=1)
+    assert session.result.ret == pytest.ExitCode.TESTS_FAILED
+    # The scope line is the first line of the failure, then the traceback where it hung;
+    # the JSON report has its record.
+    record = session.assert_expired("test_x", scope, 0.5)
+    assert stuck in session.stdout
+    # The terminal summary lists the expired scope.
+    assert "elastic-timer: expired scopes" in session.stdout
+    assert any(scope_line(scope, "0.5").match(line) for line in session.result.outlines)
+    assert record["nodeid"] == "test_hang.py::test_x"
+    assert record["action"] == "interrupted"
+    where = pytester.path / "conftest.py" if in_fixture else path
+    assert Path(record["file"]) == where
+    assert record["line"] == _line_of(where, entered)
+    assert stuck in record["stack"]
+    assert len(session.report["expired"]) == 1
+
+
+@pytest.mark.xfail(
+    reason="BUG: plugin.py pytest_report_teststatus returns the category 'failed' for every "
+    "report of an expired scope, so an expiry in setup or teardown counts as a failure, "
+    "not an error",
+    strict=True,
+)
+def test_setup_expiry_is_an_error(pytester: pytest.Pytester) -> None:
+    conftest, body = HANGS["session-fixture"][:2]
+    pytester.makeconftest(conftest)
+    pytester.makepyfile(test_hang=BEFORE + textwrap.dedent(body) + AFTER)
+    session = run(pytester)
+    session.assert_clean()
+    session.result.assert_outcomes(passed=2, errors=1)
+    assert any(re.match(r"^_+ ERROR at setup of test_x _+$", s) for s in session.lines)
+
+
+LEAKED_SCOPE = """
+import time
+import pytest_elastic_timer as et
+
+def test_leaks():
+    et.TimerRequest(0.3, scope="leaked").acquire()  # never released
+
+def test_unrelated():
+    time.sleep(1.5)
+
+def test_after():
+    pass
+"""
+
+
+@pytest.mark.xfail(
+    reason="BUG: a scope a test leaves open outlives the test (plugin.py "
+    "pytest_runtest_call leaves it on the thread's stack): its expiry interrupts a later, "
+    "unrelated test, and since nothing can close it, the watchdog then terminates pytest",
+    strict=True,
+)
+def test_scope_left_open_by_a_test_does_not_hit_later_tests(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_leak=LEAKED_SCOPE)
+    session = run(pytester, "-v", "--elastic-timer-grace=0.5")
+    assert "INTERNALERROR" not in session.text
+    assert session.result.ret in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED)
+    assert "test_leak.py::test_unrelated PASSED" in session.stdout
+    assert "test_leak.py::test_after PASSED" in session.stdout
+
+
+def test_json_report_fields(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_x=marked_hang(0.4))
+    session = run(pytester)
+    session.assert_clean()
+    report = session.report
+    assert report is not None
+    assert report["version"] == 1
+    assert isinstance(report["expired"], list)
+    (record,) = report["expired"]
+    assert set(CONTRACT_FIELDS) <= set(record)
+    types = {
+        "nodeid": str,
+        "scope": str,
+        "budget": float,
+        "elapsed": float,
+        "pid": int,
+        "label": str,
+        "worker": str,
+        "file": str,
+        "line": int,
+        "action": str,
+        "stack": str,
+    }
+    for name, kind in types.items():
+        assert isinstance(record[name], kind), (name, record[name])
+    assert record["nodeid"] == "test_x.py::test_x"
+    assert record["scope"] == "test_x::call"
+    assert record["budget"] == 0.4
+    assert record["pid"] not in (0, os.getpid())
+    # A process started by an xdist worker (as this inner pytest is, under -n) inherits
+    # the worker's id.
+    assert (record["label"], record["worker"]) == ("", os.environ.get("PYTEST_XDIST_WORKER", ""))
+    assert record["file"] == str(pytester.path / "test_x.py")
+    assert record["line"] == 4
+    assert record["action"] == "interrupted"
+    assert "in test_x" in record["stack"]
+
+
+def test_json_report_without_expiry_is_empty(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_ok=BEFORE + AFTER)
+    session = run(pytester)
+    session.assert_clean()
+    session.result.assert_outcomes(passed=2)
+    assert session.report is not None
+    assert session.report["version"] == 1
+    assert session.report["expired"] == []
+    assert "elastic-timer: expired scopes" not in session.stdout
+
+
+# -- the scope API inside a session ---------------------------------------------------
+SCOPE_API = """
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import pytest_elastic_timer as et
+
+
+def test_before():
+    pass
+
+
+def test_caught():
+    with pytest.raises(TimeoutError) as info:
+        with et.expires(0.3, scope="caught"):
+            time.sleep(30)
+    exc = info.value
+    assert isinstance(exc, et.ScopeExpired)
+    assert et.TimeoutException is et.ScopeExpired
+    assert exc.scope == "test_caught::call/caught"
+    assert exc.budget == 0.3
+    assert 0.3 <= exc.elapsed < 3
+    assert exc.pid == os.getpid()
+    assert str(exc).startswith("scope 'test_caught::call/caught' expired after ")
+
+
+def test_cancel_prevents_expiry():
+    timer = et.TimerRequest(0.2, scope="cancelled")
+    timer.acquire()
+    timer.cancel()
+    time.sleep(0.5)
+    assert timer.expires() == float("inf")
+    timer.release()
+
+
+def test_acquire_release_expires():
+    timer = et.TimerRequest(5, scope="manual")
+    assert timer.expires() == 5
+    timer.acquire()
+    assert timer.active
+    assert et.current_scope() is timer
+    assert timer.path == "test_acquire_release_expires::call/manual"
+    assert 0 < timer.expires() <= 5
+    timer.release()
+    assert not timer.active
+    with pytest.raises(RuntimeError):
+        timer.release()
+
+
+def test_reschedule_moves_the_deadline_earlier():
+    timer = et.TimerRequest(30, scope="moved")
+    with pytest.raises(et.ScopeExpired) as info:
+        with timer:
+            timer.reschedule(0.3)
+            assert 0 < timer.expires() <= 0.3
+            time.sleep(30)
+    assert info.value.scope == "test_reschedule_moves_the_deadline_earlier::call/moved"
+    assert 0.3 <= info.value.elapsed < 3
+
+
+def test_extend_moves_the_deadline_later():
+    with et.TimerRequest(0.3, scope="extended") as timer:
+        timer.extend(0.6)
+        time.sleep(0.5)
+        assert timer.expires() > 0
+    with pytest.raises(et.ScopeExpired) as info:
+        with et.TimerRequest(0.2, scope="extended-twice") as timer:
+            timer.extend(0.2)
+            time.sleep(30)
+    assert 0.4 <= info.value.elapsed < 3
+
+
+def test_scope_in_a_thread():
+    caught = []
+
+    def work():
+        try:
+            with et.expires(0.3, scope="in-thread"):
+                for _ in range(1000):
+                    time.sleep(0.01)
+        except et.ScopeExpired as exc:
+            caught.append((exc, threading.current_thread().name))
+
+    thread = threading.Thread(target=work, name="worker")
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive()
+    assert len(caught) == 1
+    exc, name = caught[0]
+    assert name == "worker"
+    assert isinstance(exc, TimeoutError)
+    assert exc.scope.endswith("in-thread")
+    assert 0.3 <= exc.elapsed < 3
+
+
+CHILD = '''
+import time
+import pytest_elastic_timer
+with pytest_elastic_timer.expires(0.5, scope='child'):
+    time.sleep(30)
+'''
+
+
+def test_subprocess_gets_scope_expired():
+    assert os.environ["PYTEST_ELASTIC_TIMER"]
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode != 0
+    assert "pytest_elastic_timer.ScopeExpired: scope 'child' expired after " in proc.stderr
+    assert "(budget 0.5s): interrupted" in proc.stderr
+
+
+def test_after():
+    pass
+"""
+
+
+def test_scope_api_in_a_session(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_api=SCOPE_API)
+    session = run(pytester, "-v")
+    session.assert_clean()
+    session.result.assert_outcomes(passed=9)
+    report = session.report
+    assert report is not None
+    scopes = {r["scope"] for r in report["expired"]}
+    assert "test_caught::call/caught" in scopes
+    assert "test_reschedule_moves_the_deadline_earlier::call/moved" in scopes
+    assert not {s for s in scopes if "cancelled" in s or "manual" in s}
+    assert not any(s.endswith("/extended") for s in scopes)
+    # The child's expiry reaches the session's watchdog: it owns its scope.
+    child = session.record("child")
+    assert child["nodeid"] == "test_api.py::test_subprocess_gets_scope_expired"
+    assert child["action"] == "interrupted"
+    assert child["pid"] != report["session"]["pid"]
+    assert child["file"] == "<string>"
+    assert child["line"] == 4
+
+
+@pytest.mark.xfail(
+    reason="BUG: ScopeExpired.budget and its first line keep the budget of before "
+    "reschedule()/extend() (scopes.py _report uses scope.after, not the moved deadline)",
+    strict=True,
+)
+def test_rescheduled_scope_reports_its_moved_budget(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        test_moved="""
+        import time
+        import pytest_elastic_timer as et
+
+        def test_x():
+            with et.TimerRequest(30, scope="moved") as timer:
+                timer.reschedule(0.3)
+                time.sleep(30)
+        """
+    )
+    session = run(pytester)
+    session.assert_clean()
+    session.result.assert_outcomes(failed=1)
+    record = session.record("test_x::call/moved")
+    assert record["budget"] == pytest.approx(0.3, abs=0.01)
+    lead = session.failure_lead("test_x")
+    assert scope_line("test_x::call/moved", "0.3").match(lead), lead
+
+
+# -- a C loop that holds the GIL: the watchdog ends pytest and still reports ----------
+def test_c_loop_holding_the_gil_is_terminated(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        test_cloop="""
+        import pytest
+
+        def test_before():
+            pass
+
+        @pytest.mark.expires(1)
+        def test_gil():
+            sum(range(10**11))
+
+        def test_after():
+            pass
+        """
+    )
+    session = run(pytester, "-v", "--elastic-timer-grace=0.5")
+    assert "INTERNALERROR" not in session.text
+    assert session.watchdog_pid is not None and wait_gone(session.watchdog_pid, 3)
+    assert session.result.ret in (-signal.SIGTERM, -signal.SIGKILL)
+    assert session.seconds < 1 + 10
+    assert re.search(r"test_cloop.py::test_before PASSED", session.stdout)
+    # The watchdog's own report on the terminal (pytest could not print it any more).
+    assert "elastic-timer: expired scopes (pytest was ended)" in session.stderr
+    line = scope_line("test_gil::call", "1", "(terminated|killed)")
+    assert any(line.match(text) for text in session.stderr.splitlines()), session.stderr
+    assert "test_gil" in session.stderr.split("pytest was ended")[1]
+    assert f"JSON report written to {pytester.path / REPORT_NAME}" in session.stderr
+    # ... and in the JSON report.
+    record = session.record("test_gil::call")
+    assert record["action"] in ("terminated", "killed")
+    assert record["nodeid"] == "test_cloop.py::test_gil"
+    assert "in test_gil" in record["stack"]
+    assert record["budget"] == 1
+    assert 1 <= record["elapsed"] < 1 + 0.5 + 3
+    assert record["pid"] in [p["pid"] for p in record["killed"]]
+    assert session.report["session"]["root_died"] is True
+
+
+@pytest.mark.xfail(
+    reason="BUG: a pytest session started inside another one (pytester, a wrapper) keeps "
+    "the stack-dump handler the outer session's sitecustomize registered, writing into "
+    "the outer session's directory; its own watchdog refuses that dump path "
+    "(watchdog.py _hello) and reports an empty stack",
+    strict=True,
+)
+def test_nested_session_dumps_stacks(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        test_cloop="""
+        import pytest
+
+        @pytest.mark.expires(0.5)
+        def test_gil():
+            sum(range(10**11))
+        """
+    )
+    session = run(pytester, "--elastic-timer-grace=0.3", nested=True)
+    assert "INTERNALERROR" not in session.text
+    record = session.record("test_gil::call")
+    assert record["action"] in ("terminated", "killed")
+    assert "in test_gil" in record["stack"]
+
+
+HANG_IGNORING_INTERRUPTS = """
+import os
+import signal
+import time
+import pytest
+import pytest_elastic_timer as et
+
+REPORT = {report!r}
+
+def on_sigterm(signum, frame):
+    with open("report-at-sigterm", "w") as f:
+        f.write("yes" if os.path.exists(REPORT) else "no")
+    os._exit(1)
+
+@pytest.mark.expires(0.3)
+def test_stubborn():
+    signal.signal(signal.SIGTERM, on_sigterm)
+    while True:
+        try:
+            time.sleep(10)
+        except et.ScopeExpired:
+            pass
+"""
+
+
+@pytest.mark.xfail(
+    reason="BUG: when the watchdog ends the pytest process it writes the JSON report and "
+    "prints its summary only after pytest is gone (watchdog.py Watchdog.finish runs on "
+    "stdin EOF), so a caller that reads them when pytest exits finds neither",
+    strict=True,
+)
+def test_report_is_complete_when_the_watchdog_ends_pytest(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        test_stubborn=HANG_IGNORING_INTERRUPTS.format(report=str(pytester.path / REPORT_NAME))
+    )
+    session = run(pytester, "--elastic-timer-grace=0.3")
+    assert "INTERNALERROR" not in session.text
+    record = session.record("test_stubborn::call")
+    assert record["action"] in ("terminated", "killed")
+    assert (pytester.path / "report-at-sigterm").read_text() == "yes"
+
+
+# -- the watchdog is gone after every session, also after kill -9 of pytest ----------
+class LineReader:
+    """Collects a subprocess's output lines in a thread (no blocking reads in tests)."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.lines: list[str] = []
+        assert proc.stdout is not None
+        self._stream = proc.stdout
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        for line in self._stream:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, pattern: re.Pattern[str], timeout: float) -> re.Match[str]:
+        give_up = time.monotonic() + timeout
+        while time.monotonic() < give_up:
+            for line in list(self.lines):
+                match = pattern.search(line)
+                if match:
+                    return match
+            time.sleep(0.02)
+        raise AssertionError(f"{pattern.pattern!r} not in output:\n" + "\n".join(self.lines))
+
+    def close(self) -> None:
+        self._thread.join(10)
+        self._stream.close()
+
+
+def test_watchdog_exits_after_pytest_is_killed(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        test_long="""
+        import time
+        import pytest_elastic_timer
+
+        def test_long():
+            with pytest_elastic_timer.expires(60, scope="long"):
+                print("inside the scope", flush=True)
+                time.sleep(60)
+        """
+    )
+    report = pytester.path / REPORT_NAME
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", *LEAN, "-s", f"--elastic-timer-report={report}"],
+        cwd=pytester.path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    reader = LineReader(proc)
+    try:
+        watchdog = int(reader.wait_for(HEADER, 60).group(1))
+        reader.wait_for(re.compile("inside the scope"), 60)
+        assert psutil.Process(watchdog).is_running()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert wait_gone(watchdog, 3.0), "the watchdog outlived the killed pytest"
+    reader.close()
+    assert report.exists()
+    data = json.loads(report.read_text())
+    assert data["version"] == 1
+    assert data["expired"] == []
+    assert data["session"]["root_died"] is True
+    assert data["session"]["pid"] == proc.pid
+
+
+# -- turning the plugin on and off -----------------------------------------------------
+SLOW_BUT_FINISHING = """
+import time
+import pytest
+
+@pytest.mark.expires(0.3)
+def test_slow():
+    time.sleep(1.5)
+"""
+
+
+def test_disabled_with_p_no(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_slow=SLOW_BUT_FINISHING)
+    session = run(pytester, "-p", "no:elastic_timer", report=False)
+    session.assert_clean()
+    session.result.assert_outcomes(passed=1, warnings=1)
+    assert "Unknown pytest.mark.expires" in session.stdout
+    assert session.watchdog_pid is None
+    assert "elastic-timer" not in session.stdout
+
+
+def test_enabled_with_p_when_autoload_is_off(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    pytester.makepyfile(test_slow=SLOW_BUT_FINISHING)
+    off = run(pytester, report=False)
+    off.assert_clean()
+    off.result.assert_outcomes(passed=1, warnings=1)
+    assert off.watchdog_pid is None
+    on = run(pytester, "-p", "elastic_timer")
+    on.assert_clean()
+    on.result.assert_outcomes(failed=1)
+    assert on.watchdog_pid is not None
+    on.assert_expired("test_slow", "test_slow::call", 0.3)
+
+
+# -- options: ini, CLI wins, scale; the header line ------------------------------------
+UNMARKED_HANG = """
+import time
+
+def test_unmarked():
+    time.sleep(30)
+"""
+
+
+@pytest.mark.parametrize("style", ["pytest.ini", "pyproject.toml"])
+def test_ini_options_and_cli_wins(pytester: pytest.Pytester, style: str) -> None:
+    options = {"expires": "0.3", "elastic_timer_grace": "0.7", "elastic_timer_scale": "1"}
+    if style == "pytest.ini":
+        pytester.makeini("[pytest]\n" + "".join(f"{k} = {v}\n" for k, v in options.items()))
+    else:
+        pytester.makepyprojecttoml(
+            "[tool.pytest.ini_options]\n" + "".join(f'{k} = "{v}"\n' for k, v in options.items())
+        )
+    pytester.makepyfile(test_unmarked=UNMARKED_HANG)
+    from_ini = run(pytester)
+    from_ini.assert_clean()
+    from_ini.result.assert_outcomes(failed=1)
+    header = next(m for m in map(HEADER.match, from_ini.lines) if m)
+    assert header.group(2, 3, 4) == ("0.3s", "0.7s", "1")
+    from_ini.assert_expired("test_unmarked", "test_unmarked::call", 0.3)
+    from_cli = run(pytester, "--expires=0.6")
+    from_cli.assert_clean()
+    from_cli.result.assert_outcomes(failed=1)
+    from_cli.assert_expired("test_unmarked", "test_unmarked::call", 0.6)
+
+
+def test_scale_multiplies_budgets(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_scaled=marked_hang(0.5))
+    session = run(pytester, "--elastic-timer-scale=2")
+    session.assert_clean()
+    session.result.assert_outcomes(failed=1)
+    session.assert_expired("test_x", "test_x::call", 1.0)  # budget shown: 1s
+
+
+def test_report_header_line(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_ok=BEFORE)
+    session = run(pytester, "--expires=7", "--elastic-timer-grace=0.5", "--elastic-timer-scale=3")
+    session.assert_clean()
+    session.result.assert_outcomes(passed=1)
+    headers = [m for m in map(HEADER.match, session.lines) if m]
+    assert len(headers) == 1
+    assert headers[0].group(2, 3, 4) == ("7s", "0.5s", "3")
+    assert session.watchdog_pid == int(headers[0].group(1))
+    default = run(pytester)
+    default.assert_clean()
+    assert any(
+        re.match(r"^elastic-timer: watchdog pid \d+, default budget none, grace 2s, scale 1$", s)
+        for s in default.lines
+    )
+
+
+# -- fixtures ------------------------------------------------------------------------
+def test_fixtures(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        test_fixtures="""
+        import os
+        import stat
+        import time
+        import psutil
+        import pytest
+
+        def test_before():
+            pass
+
+        @pytest.mark.expires(5)
+        def test_timer(elastic_timer, elastic_timer_server):
+            assert elastic_timer.budget == 5
+            assert 0 < elastic_timer.remaining() <= 5
+            with elastic_timer.step("load", 2) as step:
+                assert step.path == "test_timer::call/load"
+                assert 0 < step.expires() <= 2
+            env = elastic_timer.env
+            assert env["PYTEST_ELASTIC_TIMER"] == elastic_timer_server.address
+            assert stat.S_ISSOCK(os.stat(elastic_timer_server.address).st_mode)
+            assert psutil.Process(elastic_timer_server.pid).is_running()
+            print("server pid", elastic_timer_server.pid)
+
+        def test_unbounded(elastic_timer):
+            assert elastic_timer.budget is None
+            assert elastic_timer.remaining() == float("inf")
+
+        def test_step_expires(elastic_timer):
+            with elastic_timer.step("slow-step", 0.3):
+                time.sleep(30)
+
+        def test_after():
+            pass
+        """
+    )
+    session = run(pytester, "-s")
+    session.assert_clean()
+    session.result.assert_outcomes(passed=4, failed=1)
+    assert f"server pid {session.watchdog_pid}" in session.stdout
+    session.assert_expired("test_step_expires", "test_step_expires::call/slow-step", 0.3)
+
+
+# -- bad messages from inside the session ---------------------------------------------
+GARBAGE_SENDER = """
+import os
+import socket
+import time
+import pytest
+
+def test_send_garbage():
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.connect(os.environ["PYTEST_ELASTIC_TIMER"])
+    for data in {payloads!r}:
+        sock.send(data)
+    sock.close()
+
+@pytest.mark.expires(0.3)
+def test_hang_after_garbage():
+    time.sleep(5)
+"""
+
+
+def test_garbage_is_dropped_and_counted(pytester: pytest.Pytester) -> None:
+    payloads = [b"not json", b'{"op": "hello"}', b'["wake", {"at": 1}]', b"\xff" * 100]
+    pytester.makepyfile(test_garbage=GARBAGE_SENDER.format(payloads=payloads))
+    session = run(pytester)
+    session.assert_clean()
+    session.result.assert_outcomes(passed=1, failed=1)
+    session.assert_expired("test_hang_after_garbage", "test_hang_after_garbage::call", 0.3)
+    assert session.report["session"]["dropped_messages"] >= len(payloads)
+
+
+@pytest.mark.xfail(
+    reason="BUG: deeply nested JSON makes wire.decode raise RecursionError, which "
+    "Watchdog._readable does not catch: one datagram kills the watchdog",
+    strict=True,
+)
+def test_deeply_nested_message_does_not_kill_the_watchdog(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_garbage=GARBAGE_SENDER.format(payloads=[b"[" * 100_000]))
+    session = run(pytester)
+    assert "INTERNALERROR" not in session.text
+    assert "RecursionError" not in session.stderr
+    session.result.assert_outcomes(passed=1, failed=1)
+    session.assert_expired("test_hang_after_garbage", "test_hang_after_garbage::call", 0.3)
+
+
+@pytest.mark.xfail(
+    reason="BUG: a scope with a budget over ~24.8 days (2**31 ms) makes the watchdog's "
+    "selector.select() raise OverflowError: the watchdog dies (watchdog.py run_once)",
+    strict=True,
+)
+def test_huge_budget_does_not_kill_the_watchdog(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        test_huge="""
+        import time
+        import psutil
+        import pytest
+        import pytest_elastic_timer as et
+
+        def test_huge(elastic_timer_server):
+            with et.expires(1e7, scope="huge"):
+                time.sleep(0.5)
+            watchdog = psutil.Process(elastic_timer_server.pid)
+            assert watchdog.status() != psutil.STATUS_ZOMBIE
+
+        @pytest.mark.expires(0.3)
+        def test_later():
+            time.sleep(5)
+        """
+    )
+    session = run(pytester)
+    assert "INTERNALERROR" not in session.text
+    assert "OverflowError" not in session.stderr
+    session.result.assert_outcomes(passed=1, failed=1)
+    session.assert_expired("test_later", "test_later::call", 0.3)

@@ -1,0 +1,434 @@
+"""The scope API in this very process, enforced by the outer session's watchdog (or the
+in-process sentinel when the outer session runs without the plugin).
+
+Budgets here are small and every scope that expires is closed well within the grace
+period of the outer session, so the outer watchdog never escalates past the interrupt.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import pickle
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+import pytest_elastic_timer as et
+from pytest_elastic_timer import scopes
+
+EARLY = scopes._EARLY  # a signal is honoured this much before a deadline
+
+
+def _scale() -> float:
+    return scopes.process_state().scale
+
+
+def _sleep_until_expired(limit: float = 5.0) -> None:
+    """Python-level short sleeps: the interrupt can land between any two of them."""
+    give_up = time.monotonic() + limit
+    while time.monotonic() < give_up:
+        time.sleep(0.005)
+    raise AssertionError(f"no ScopeExpired within {limit}s")
+
+
+def _base() -> str:
+    """The path of the scope this test runs in (the outer plugin's call scope)."""
+    current = et.current_scope()
+    return current.path if current is not None else ""
+
+
+def _line_of(text: str) -> int:
+    """The line of this file where ``text`` first appears (outside this helper)."""
+    with open(__file__, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    return next(n for n, line in enumerate(lines, 1) if text in line and "_line_of" not in line)
+
+
+def _join(*parts: str) -> str:
+    return "/".join(p for p in parts if p)
+
+
+# -- ScopeExpired ------------------------------------------------------------------
+def test_scope_expired_is_a_timeout_error_with_an_alias() -> None:
+    assert issubclass(et.ScopeExpired, TimeoutError)
+    assert et.TimeoutException is et.ScopeExpired
+    assert et.ScopeExpired.__module__ == "pytest_elastic_timer"
+
+
+def test_scope_expired_line_and_attributes() -> None:
+    exc = et.ScopeExpired("test_a::call/load", 0.5, 0.5123, 4321, site="f.py:3", label="rank 1")
+    assert (exc.scope, exc.budget, exc.elapsed, exc.pid) == ("test_a::call/load", 0.5, 0.5123, 4321)
+    assert (exc.action, exc.site, exc.label) == ("interrupted", "f.py:3", "rank 1")
+    assert str(exc) == "scope 'test_a::call/load' expired after 0.51s (budget 0.5s): interrupted"
+    assert exc.line() == str(exc)
+
+
+def test_scope_expired_survives_pickling() -> None:
+    exc = et.ScopeExpired("s", 2.0, 2.25, 77, "terminated", "x.py:9", "rank 0")
+    copy = pickle.loads(pickle.dumps(exc))
+    assert type(copy) is et.ScopeExpired
+    attributes = ("scope", "budget", "elapsed", "pid", "action", "site", "label")
+    assert [getattr(copy, a) for a in attributes] == [getattr(exc, a) for a in attributes]
+    assert str(copy) == str(exc)
+
+
+# -- real expiries in this process ---------------------------------------------------
+def test_expiry_can_be_caught() -> None:
+    path = _join(_base(), "catch-me")
+    with pytest.raises(TimeoutError) as info, et.expires(0.2, scope="catch-me"):
+        _sleep_until_expired()
+    exc = info.value
+    assert isinstance(exc, et.ScopeExpired)
+    assert exc.scope == path
+    assert exc.budget == pytest.approx(0.2 * _scale())
+    assert exc.budget - EARLY <= exc.elapsed < exc.budget + 3
+    assert exc.pid == os.getpid()
+    assert exc.action == "interrupted"
+    line = _line_of('scope="catch-me"')
+    assert exc.site == f"{__file__}:{line}"
+
+
+def test_expiry_in_a_blocking_sleep() -> None:
+    started = time.monotonic()
+    with pytest.raises(et.ScopeExpired), et.expires(0.2, scope="blocked"):
+        time.sleep(30)
+    assert time.monotonic() - started < 0.2 * _scale() + 3
+
+
+def test_cancel_prevents_expiry() -> None:
+    timer = et.TimerRequest(0.1, scope="cancelled")
+    timer.acquire()
+    try:
+        timer.cancel()
+        assert timer.expires() == math.inf
+        assert timer.deadline == math.inf
+        time.sleep(0.3)
+        assert not timer.expired()
+        assert timer.active  # cancelled scopes stay open and in the path
+        assert et.current_scope() is timer
+    finally:
+        timer.release()  # no ScopeExpired
+    assert not timer.active
+
+
+def test_cancel_inside_a_with_block() -> None:
+    with et.TimerRequest(0.1, scope="cancelled") as timer:
+        timer.cancel()
+        time.sleep(0.3)
+    assert not timer.expired()
+
+
+def test_acquire_release_and_expires() -> None:
+    base = _base()
+    timer = et.TimerRequest(10, scope="manual")
+    assert not timer.active
+    assert timer.expires() == 10  # before acquire: the budget
+    before = time.monotonic()
+    timer.acquire()
+    after = time.monotonic()
+    try:
+        assert timer.active
+        assert timer.path == _join(base, "manual")
+        assert before + 10 * _scale() <= timer.deadline <= after + 10 * _scale()
+        assert 0 < timer.expires() <= 10 * _scale()
+        assert timer.budget == pytest.approx(10 * _scale())
+        assert not timer.expired()
+    finally:
+        timer.release()
+    assert not timer.active
+
+
+def test_reschedule_moves_the_deadline_earlier() -> None:
+    timer = et.TimerRequest(30, scope="moved")
+    with pytest.raises(et.ScopeExpired) as info, timer:
+        before = time.monotonic()
+        timer.reschedule(0.2)
+        assert before + 0.2 * _scale() <= timer.deadline <= time.monotonic() + 0.2 * _scale()
+        _sleep_until_expired()
+    assert info.value.scope.endswith("moved")
+    assert 0.2 * _scale() - EARLY <= info.value.elapsed < 3
+
+
+def test_extend_moves_the_deadline_later() -> None:
+    with et.TimerRequest(0.2, scope="extended") as timer:
+        first = timer.deadline
+        timer.extend(0.4)
+        assert timer.deadline == pytest.approx(first + 0.4 * _scale())
+        time.sleep(0.3 * _scale())  # past the first deadline, before the new one
+        assert timer.expires() > 0
+    with pytest.raises(et.ScopeExpired) as info, et.TimerRequest(0.1) as timer:
+        timer.extend(0.1)
+        _sleep_until_expired()
+    assert 0.2 * _scale() - EARLY <= info.value.elapsed < 3
+
+
+def test_reschedule_and_extend_before_acquire_set_the_budget() -> None:
+    timer = et.TimerRequest(1)
+    timer.reschedule(5)
+    assert timer.expires() == 5
+    timer.extend(2)
+    assert timer.expires() == 7
+    with timer:
+        assert 0 < timer.expires() <= 7 * _scale()
+
+
+def test_scope_without_deadline_names_a_step() -> None:
+    base = _base()
+    with et.expires(None, scope="step") as step, et.expires(5, scope="inner") as inner:
+        assert step.expires() == math.inf
+        assert step.deadline == math.inf
+        assert inner.path == _join(base, "step", "inner")
+        time.sleep(0.05)
+    assert not step.expired()
+
+
+def test_default_scope_name_is_the_callers_file_and_line() -> None:
+    with et.expires(5) as timer:  # default-name-here
+        pass
+    line = _line_of("# default-name-here")
+    assert timer.path.endswith(f"test_scopes.py:{line}")
+    assert timer.path.split("/")[-1] == f"test_scopes.py:{line}"
+    assert timer.site == f"{__file__}:{line}"
+    assert "contextlib" not in timer.site
+
+    def helper() -> et.TimerRequest:
+        request = et.TimerRequest(5)
+        request.acquire()  # acquired-in-helper
+        return request
+
+    entered = helper()
+    entered.release()
+    assert entered.site == f"{__file__}:{_line_of('# acquired-in-helper')}"
+
+
+def test_expires_in_a_contextmanager_helper_names_the_helper_line() -> None:
+    @contextlib.contextmanager
+    def step() -> Iterator[et.TimerRequest]:
+        with et.expires(5) as timer:  # entered-in-contextmanager
+            yield timer
+
+    with step() as timer:
+        pass
+    assert timer.site == f"{__file__}:{_line_of('# entered-in-contextmanager')}"
+
+
+def test_nested_paths_and_current_scope() -> None:
+    base = _base()
+    with et.expires(5, scope="epoch") as epoch:
+        assert et.current_scope() is epoch
+        with et.expires(5, scope="allreduce") as allreduce:
+            assert et.current_scope() is allreduce
+            assert allreduce.path == _join(base, "epoch", "allreduce")
+        assert et.current_scope() is epoch
+    assert epoch.path == _join(base, "epoch")
+    assert (et.current_scope().path if et.current_scope() else "") == base
+
+
+def test_release_out_of_order_keeps_the_inner_scope_open() -> None:
+    outer = et.TimerRequest(5, scope="outer")
+    inner = et.TimerRequest(5, scope="inner")
+    outer.acquire()
+    inner.acquire()
+    outer.release()
+    assert inner.active and not outer.active
+    assert et.current_scope() is inner
+    inner.release()
+    assert not inner.active
+
+
+def test_expiry_in_a_thread() -> None:
+    caught: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            with et.expires(0.2, scope="in-thread"):
+                for _ in range(1000):
+                    time.sleep(0.01)
+        except et.ScopeExpired as exc:
+            caught.append(exc)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive()
+    assert len(caught) == 1
+    exc = caught[0]
+    assert isinstance(exc, et.ScopeExpired) and isinstance(exc, TimeoutError)
+    assert exc.scope.endswith("in-thread")
+    assert exc.budget == pytest.approx(0.2 * _scale())
+    assert exc.budget - EARLY <= exc.elapsed < 3
+    assert exc.pid == os.getpid()
+
+
+def test_scope_released_in_another_thread() -> None:
+    timer = et.TimerRequest(5, scope="handed-over")
+    timer.acquire()
+    errors: list[BaseException] = []
+
+    def release() -> None:
+        try:
+            timer.release()
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=release)
+    thread.start()
+    thread.join(10)
+    assert errors == []
+    assert not timer.active
+    assert et.current_scope() is not timer
+
+
+def test_scope_left_after_its_deadline_raises_even_if_the_signal_is_late() -> None:
+    """An overrun is never silent: a scope left after its deadline raises at its exit,
+    also when the interrupt has not been handled yet (here: held back until after)."""
+    state = scopes.process_state()
+    if not state.interrupt_sig:
+        pytest.skip("this process has no interrupt signal")
+    real = signal.getsignal(state.interrupt_sig)
+    held: list[int] = []
+    signal.signal(state.interrupt_sig, lambda signum, frame: held.append(signum))
+    try:
+        with pytest.raises(et.ScopeExpired) as info, et.expires(0.05, scope="late"):
+            time.sleep(0.15)
+    finally:
+        signal.signal(state.interrupt_sig, real)
+    assert info.value.scope.endswith("late")
+    assert info.value.elapsed >= 0.05 * _scale()
+
+
+def test_suspend_and_resume_move_deadlines_later() -> None:
+    with et.expires(0.2, scope="paused") as timer:
+        deadline = timer.deadline
+        scopes.suspend()
+        try:
+            time.sleep(0.3 * _scale())  # past the deadline: no interrupt while paused
+        finally:
+            scopes.resume()
+        assert timer.deadline >= deadline + 0.3 * _scale()
+        assert timer.expires() > 0
+    assert not timer.expired()
+
+
+def test_set_label_names_the_process() -> None:
+    state = scopes.process_state()
+    old = state.label
+    et.set_label("rank 3")
+    try:
+        with pytest.raises(et.ScopeExpired) as info, et.expires(0.1, scope="labelled"):
+            _sleep_until_expired()
+        assert info.value.label == "rank 3"
+    finally:
+        et.set_label(old)
+
+
+# -- properties of nesting -----------------------------------------------------------
+budgets_strategy = st.lists(
+    st.one_of(st.none(), st.floats(min_value=1, max_value=1000)), min_size=1, max_size=6
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(budgets=budgets_strategy, order=st.permutations(range(6)))
+def test_nested_deadlines_and_paths(budgets: list[float | None], order: list[int]) -> None:
+    """Every scope's deadline is its entry time plus its scaled budget on the monotonic
+    clock, paths nest, and any release order leaves nothing open."""
+    # Everything is drawn before the first scope is entered: a draw that fails must not
+    # leave scopes open.
+    release_order = [i for i in order if i < len(budgets)]
+    base = _base()
+    scale = _scale()
+    timers: list[et.TimerRequest] = []
+    try:
+        for index, budget in enumerate(budgets):
+            timer = et.TimerRequest(budget, scope=f"s{index}")
+            before = time.monotonic()
+            timer.acquire()
+            after = time.monotonic()
+            timers.append(timer)
+            assert timer.path == _join(base, *(f"s{i}" for i in range(index + 1)))
+            assert et.current_scope() is timer
+            if budget is None:
+                assert timer.deadline == math.inf
+                assert timer.expires() == math.inf
+            else:
+                assert before + budget * scale <= timer.deadline <= after + budget * scale
+                assert 0 < timer.expires() <= budget * scale + 1e-9
+        in_force = min(t.deadline for t in timers)
+        finite = [b for b in budgets if b is not None]
+        assert (in_force == math.inf) == (not finite)
+        assert not any(t.expired() for t in timers)
+    finally:
+        for index in release_order:
+            if index < len(timers):
+                timers[index].release()
+    assert not any(t.active for t in timers)
+    assert _base() == base
+
+
+short_budgets = st.lists(
+    st.one_of(st.none(), st.floats(min_value=0.01, max_value=0.1)), min_size=1, max_size=4
+)
+
+
+@settings(
+    max_examples=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(budgets=short_budgets, cut=st.integers(min_value=0, max_value=3))
+def test_earliest_deadline_in_force_outermost_expired_credited(
+    budgets: list[float | None], cut: int
+) -> None:
+    """The watchdog interrupts at the earliest deadline among the open scopes; the scope
+    credited is the outermost of those whose deadline has passed when the interrupt is
+    handled. The interrupt is held back (recorded, then raised again) until the cut
+    point, so that several deadlines can have passed."""
+    finite = sorted(b for b in budgets if b is not None)
+    assume(finite)
+    state = scopes.process_state()
+    if not state.interrupt_sig:
+        pytest.skip("this process has no interrupt signal")
+    sig = state.interrupt_sig
+    real = signal.getsignal(sig)
+    received: list[float] = []
+    signal.signal(sig, lambda signum, frame: received.append(time.monotonic()))
+    timers: list[et.TimerRequest] = []
+    try:
+        with pytest.raises(et.ScopeExpired) as info, contextlib.ExitStack() as stack:
+            for index, budget in enumerate(budgets):
+                timers.append(stack.enter_context(et.TimerRequest(budget, scope=f"n{index}")))
+            earliest = min(t.deadline for t in timers)
+            target = sorted(t.deadline for t in timers)[min(cut, len(finite) - 1)] + 0.003
+            give_up = time.monotonic() + 1.0
+            while (time.monotonic() < target or not received) and time.monotonic() < give_up:
+                time.sleep(0.002)
+            assert received, "the watchdog never interrupted"
+            assert received[0] >= earliest - EARLY  # not before the deadline in force
+            signal.signal(sig, real)
+            first_look = time.monotonic()
+            signal.raise_signal(sig)
+            _sleep_until_expired(1.0)
+        last_look = time.monotonic()
+    finally:
+        signal.signal(sig, real)
+    deadlines = [t.deadline for t in timers]
+
+    def outermost_expired(at: float) -> int:
+        return min(i for i, d in enumerate(deadlines) if d <= at + EARLY)
+
+    moments = [first_look, last_look, *(d for d in deadlines if first_look <= d <= last_look)]
+    credited = [i for i, t in enumerate(timers) if info.value.scope == t.path]
+    assert len(credited) == 1
+    assert credited[0] in {outermost_expired(m) for m in moments}
+    winner = timers[credited[0]]
+    assert info.value.budget == pytest.approx(winner.after * _scale())
+    assert info.value.elapsed >= info.value.budget - EARLY
+    assert all(t.expired() for t in timers[credited[0] :])
