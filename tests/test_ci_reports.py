@@ -104,6 +104,12 @@ def trace_parts(path: Path) -> tuple[dict[int, str], list[dict[str, Any]], list[
     return names, slices, instants
 
 
+@pytest.fixture(autouse=True)
+def not_an_xdist_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inner sessions do not inherit this suite's own xdist worker id (under -n)."""
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+
+
 def github(monkeypatch: pytest.MonkeyPatch, workspace: Path) -> Path:
     summary = workspace / "step-summary.md"
     monkeypatch.setenv("GITHUB_ACTIONS", "true")
@@ -188,6 +194,8 @@ def test_single_process_outputs(pytester: pytest.Pytester, monkeypatch: pytest.M
     setup = record_of(data, "test_setup::setup")
     child = record_of(data, "child")
     assert odd.line == line_of(source, "with et.expires(0.3")
+    assert (odd.pid, odd.label) == (data["session"]["pid"], "")
+    assert child.owner_text().startswith(f"rank 1, pid {child.pid}")
     assert (child.label, child.nodeid, child.file) == (
         "rank 1",
         "test_ci.py::test_rank",
@@ -198,7 +206,7 @@ def test_single_process_outputs(pytester: pytest.Pytester, monkeypatch: pytest.M
     # JSON: session facts, slow phases and per-test slowest scopes.
     facts = data["session"]
     assert facts["exitstatus"] == 1 and facts["slow_fraction"] == 0.4
-    assert facts["workers"] == [] and facts["root_died"] is False
+    assert facts["root_died"] is False
     (slow,) = facts["slow"]
     assert (slow["nodeid"], slow["scope"], slow["budget"]) == (
         "test_ci.py::test_slow",
@@ -238,18 +246,18 @@ def test_single_process_outputs(pytester: pytest.Pytester, monkeypatch: pytest.M
         f"::error file=test_ci.py,line={odd.line},"
         "title=elastic-timer%3A test_odd%3A%3Acall/50%25%2C%0Anext%3A 1 expired::"
         f"scope 'test_odd::call/50%25,\\nnext: 1' expired after {odd.elapsed:.2f}s "
-        f"(budget 0.3s): interrupted%0Atest: test_ci.py::test_odd%0Aprocess: pid {odd.pid}"
+        f"(budget 0.3s): interrupted%0Atest: test_ci.py::test_odd%0Aprocess: {odd.owner_text()}"
     )
     assert lines[1] == (
         f"::error file=test_ci.py,line={line_of(source, 'def test_setup') - 1},"
         "title=elastic-timer%3A test_setup%3A%3Asetup expired::"
-        f"{setup.line_text()}%0Atest: test_ci.py::test_setup%0Aprocess: pid {setup.pid}"
+        f"{setup.line_text()}%0Atest: test_ci.py::test_setup%0Aprocess: {setup.owner_text()}"
     )
     # The child entered its scope in `python -c`: the annotation points at the test.
     assert lines[2] == (
         f"::error file=test_ci.py,line={line_of(source, 'def test_rank')},"
         "title=elastic-timer%3A child expired::"
-        f"{child.line_text()}%0Atest: test_ci.py::test_rank%0Aprocess: rank 1, pid {child.pid}"
+        f"{child.line_text()}%0Atest: test_ci.py::test_rank%0Aprocess: {child.owner_text()}"
     )
     assert all(line.startswith("::error file=test_ci.py,line=") for line in lines[:10])
     assert lines[10] == (
