@@ -84,7 +84,8 @@ class Party:
     def __str__(self) -> str:
         if not self.pid:
             return "a party that never arrived"
-        return f"{self.label} (pid {self.pid})" if self.label else f"pid {self.pid}"
+        where = f"pid {self.pid}, {self.worker}" if self.worker else f"pid {self.pid}"
+        return f"{self.label} ({where})" if self.label else where
 
 
 # -- timeouts ------------------------------------------------------------------------
@@ -252,6 +253,8 @@ class _Call:
             sock.sendall(wire.encode(op, **fields))
             sock.settimeout(wait)
             data = sock.recv(wire.MAX_MESSAGE)
+        except ScopeExpired:
+            raise  # an enclosing scope expired while we waited (it is a TimeoutError)
         except TimeoutError:
             raise RuntimeError(
                 f"{self.what}: the session's watchdog did not answer within {wait:g}s"
@@ -265,7 +268,7 @@ class _Call:
             )
         answer, fields = wire.decode(data)
         if answer == sync_server.ERROR:
-            raise ValueError(f"{self.what}: {fields.get('error', 'refused')}")
+            raise ValueError(str(fields.get("error", f"{self.what}: refused")))
         return answer, fields
 
     def tell(self, op: str, **fields: Any) -> None:
@@ -394,6 +397,7 @@ def barrier(name: str, parties: int, timeout: float, *, label: str | None = None
     :class:`ValueError`). ``label`` names this party in reports instead of the
     process's label.
     """
+    __tracebackhide__ = True  # pytest shows the caller's line, not ours
     _check_name(name, "barrier")
     if isinstance(parties, bool) or not isinstance(parties, int):
         raise TypeError(f"barrier parties must be an int, not {parties!r}")
@@ -450,6 +454,7 @@ class Event:
         """Block until the event is set; returns True. After ``timeout`` seconds
         (scaled) raises :class:`EventTimeout` naming who waited and whether anybody
         ever set it."""
+        __tracebackhide__ = True
         seconds = _check_timeout(timeout, "event")
         scope = f"event:{self.name}"
         op, answer, who = _wait(
@@ -512,12 +517,15 @@ class SessionLock:
 
     def acquire(self) -> SessionLock:
         """Wait for the lock, up to the timeout (scaled); raises :class:`LockTimeout`."""
+        __tracebackhide__ = True
         return self._acquire(sys._getframe(1))
 
     def __enter__(self) -> SessionLock:
+        __tracebackhide__ = True
         return self._acquire(sys._getframe(1))
 
     def _acquire(self, frame: FrameType) -> SessionLock:
+        __tracebackhide__ = True
         if self.held:
             raise RuntimeError(f"lock {self.name!r} is already held by this object")
         scope = f"lock:{self.name}"

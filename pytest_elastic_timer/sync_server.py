@@ -135,8 +135,8 @@ class SyncServer:
                 # counted as dropped; a bug here must never cost the session its watchdog.
                 if not isinstance(exc, (wire.BadMessage, ValueError, TypeError, KeyError)):
                     self._internal_error(exc)
+                self.dog.dropped += 1
                 self.dog._send(conn, ERROR, error=f"bad request: {exc}")
-                raise wire.BadMessage(str(exc)) from None
 
         return run
 
@@ -219,13 +219,13 @@ class SyncServer:
     def _barrier_pass(self, name: str, barrier: BarrierState) -> None:
         now = time.monotonic()
         generation = barrier.generation
+        self._count("barrier", name, "rounds", parties=barrier.parties)
         for index, waiter in enumerate(barrier.waiting):
             self.calls.pop(waiter.conn, None)
             self.dog._send(
                 waiter.conn, OK, index=index, generation=generation, budget=waiter.budget
             )
         self._end_round(barrier, "passed", now)
-        self._count("barrier", name, "rounds", parties=barrier.parties)
 
     def _end_round(self, barrier: BarrierState, outcome: str, now: float) -> None:
         barrier.last = [(self._party(w, now), w.ident) for w in barrier.waiting]
@@ -247,6 +247,7 @@ class SyncServer:
             f"{len(arrived)} of {barrier.parties} parties arrived in round {generation}: "
             f"{_names(arrived)}; missing: {_missing_text(missing, barrier.parties)}"
         )
+        self._count("barrier", name, "timeouts", parties=barrier.parties)
         for waiter in barrier.waiting:
             self._time_out(
                 waiter,
@@ -258,7 +259,6 @@ class SyncServer:
                 parties=barrier.parties,
                 generation=generation,
             )
-        self._count("barrier", name, "timeouts", parties=barrier.parties)
         self._end_round(barrier, "timed out in", now)
 
     def _missing(self, name: str, barrier: BarrierState, now: float) -> list[dict[str, Any]]:
@@ -350,6 +350,7 @@ class SyncServer:
             history += f", cleared by {_name_of(event.cleared_by)} {ago:.2f}s ago"
         for waiter in due:
             event.waiting.remove(waiter)
+            self._count("event", name, "timeouts")
             self._time_out(
                 waiter,
                 f"event:{name}",
@@ -359,7 +360,6 @@ class SyncServer:
                 set_by=event.set_by,
                 cleared_by=event.cleared_by,
             )
-            self._count("event", name, "timeouts")
 
     # -- lock ---------------------------------------------------------------------
     def lock_acquire(self, conn: socket.socket, peer_pid: int, fields: dict[str, Any]) -> None:
@@ -425,6 +425,7 @@ class SyncServer:
             if waiter.pid != holder.pid:
                 mine = ""
             waiting = [self._party(w, now) for w in [waiter, *lock.queue]]
+            self._count("lock", name, "timeouts")
             self._time_out(
                 waiter,
                 f"lock:{name}",
@@ -434,7 +435,6 @@ class SyncServer:
                 held=held,
                 waiting=waiting,
             )
-            self._count("lock", name, "timeouts")
 
     def _note_hold(self, name: str, held: float) -> None:
         entry = self.summary["lock"][name]
@@ -506,8 +506,10 @@ class SyncServer:
 
     # -- reports ------------------------------------------------------------------
     def _time_out(self, waiter: Waiter, scope: str, detail: str, now: float, **facts: Any) -> None:
-        """Answer ``waiter`` that its call timed out, and record that."""
+        """Record that ``waiter``'s call timed out (first: a record outlives anything),
+        then answer it."""
         self.calls.pop(waiter.conn, None)
+        self._record(waiter, scope, detail, now)
         self.dog._send(
             waiter.conn,
             TIMEOUT,
@@ -516,7 +518,6 @@ class SyncServer:
             detail=detail,
             **facts,
         )
-        self._record(waiter, scope, detail, now)
 
     def _record(self, waiter: Waiter, scope: str, detail: str, now: float) -> None:
         """An expiry record for a call that timed out, like one of an expired scope."""
@@ -575,10 +576,11 @@ def _text(fields: dict[str, Any], key: str, limit: int) -> str:
 def _name_of(party: dict[str, Any] | None) -> str:
     if party is None:
         return "?"
-    pid, label = party.get("pid", 0), party.get("label", "")
+    pid, label, worker = party.get("pid", 0), party.get("label", ""), party.get("worker", "")
     if not pid:
         return "a party that never arrived"
-    return f"{label} (pid {pid})" if label else f"pid {pid}"
+    where = f"pid {pid}, {worker}" if worker else f"pid {pid}"
+    return f"{label} ({where})" if label else where
 
 
 def _names(parties: list[dict[str, Any]], *, waited: bool = False) -> str:
