@@ -114,6 +114,7 @@ class CiState:
     slow: float
     junit: str | None
     junit_prefix: str | None
+    trace: str | None = None
     expired: dict[str, list[ExpiryRecord]] = field(default_factory=dict)
     locations: dict[str, tuple[str, int | None]] = field(default_factory=dict)
     phases: list[PhaseTime] = field(default_factory=list)
@@ -149,6 +150,8 @@ def pytest_configure(config: pytest.Config) -> None:
                 os.path.abspath(os.path.expanduser(os.path.expandvars(xmlpath)))
             )
     state = config.stash[CI] = CiState(slow, junit, config.getoption("junitprefix", None))
+    trace_path = config.stash[plugin.SESSION].settings.trace
+    state.trace = os.path.abspath(trace_path) if trace_path else None
     if not hasattr(config, "workerinput"):
         config.pluginmanager.register(SessionReports(config, state), REPORTER_NAME)
 
@@ -490,7 +493,7 @@ def session_end(config: pytest.Config) -> dict[str, Any]:
     if state is None or session is None or session.watchdog is None:
         return {}
     events: list[dict[str, Any]] = []
-    path = session.settings.trace
+    path = state.trace
     if path:
         if scopes._state is not None:
             scopes._state.flush_trace()  # scopes that ended after the plugin's flush

@@ -290,10 +290,12 @@ def render_html(trace: dict[str, Any], title: str = "pytest-elastic-timer trace"
 
     parts: list[str] = []
     y = _TOP
-    for pid in sorted(names, key=lambda p: order.get(p, 0)):
+    for band, pid in enumerate(sorted(names, key=lambda p: order.get(p, 0))):
         rows: list[float] = []  # per depth: where its last slice ends
         placed: list[tuple[int, dict[str, Any]]] = []
-        mine = sorted((e for e in slices if e["pid"] == pid), key=lambda e: (e["tid"], e["ts"]))
+        mine = sorted(
+            (e for e in slices if e["pid"] == pid), key=lambda e: (e["tid"], e["ts"], -e["dur"])
+        )
         lanes: dict[int, int] = {}
         for event in mine:
             base = lanes.setdefault(event["tid"], len(rows))
@@ -307,7 +309,7 @@ def render_html(trace: dict[str, Any], title: str = "pytest-elastic-timer trace"
         height = max(len(rows), 1) * _ROW + 8
         parts.append(
             f'<rect x="0" y="{y}" width="{_LEFT + _WIDTH + 10}" height="{height}" '
-            f'fill="{"#f4f4f4" if len(parts) % 2 else "#ffffff"}"/>'
+            f'fill="{"#f4f4f4" if band % 2 else "#ffffff"}"/>'
             f'<text x="6" y="{y + 14}" class="proc">{html.escape(names[pid])}</text>'
         )
         for depth, event in placed:
