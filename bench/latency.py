@@ -53,7 +53,7 @@ def test_latency():
     if os.environ["BENCH_CHILD"] == "1":
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
         time.sleep(1.0)  # started, and its startup hooks ran
-    late, missed = [], 0
+    late, missed = [], []
     try:
         for _ in range(int(os.environ["BENCH_SAMPLES"])):
             scope = et.expires(__BUDGET__)
@@ -62,7 +62,13 @@ def test_latency():
                     limit = time.monotonic() + 2.0
                     while time.monotonic() < limit:
                         pass
-                missed += 1
+                missed.append(
+                    {
+                        "delivered": scope._delivered,
+                        "expired": scope.expired(),
+                        "budget": scope.budget,
+                    }
+                )
             except et.ScopeExpired:
                 late.append(time.monotonic() - scope.deadline)
             time.sleep(0.002)
@@ -130,7 +136,9 @@ def session_samples(child: bool, quick: bool) -> dict[str, Any]:
         except (OSError, ValueError):
             tail = proc.stdout.decode(errors="replace")[-800:]
             return {"error": f"no result (exit {proc.returncode}): {tail}"}
-        return _summary(data["late"], data["missed"])
+        summary = _summary(data["late"], len(data["missed"]))
+        summary["missed_details"] = data["missed"]
+        return summary
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
@@ -369,6 +377,12 @@ def render(result: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
             f"| {missed} | — |"
         )
     text = "\n".join(lines)
+    for key in ("session", "session-child"):
+        if result.get(key, {}).get("missed_details"):
+            text += (
+                f"\n\nMissed in `{key}` (the scope ended without ScopeExpired although its "
+                f"deadline had passed): {result[key]['missed_details']}"
+            )
     if hard:
         hows = sorted({s["how"] for s in hard.get("samples", [])})
         text += (
