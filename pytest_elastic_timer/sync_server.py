@@ -24,6 +24,7 @@ import math
 import socket
 import sys
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -599,9 +600,17 @@ def _missing_text(missing: list[dict[str, Any]], parties: int) -> str:
     return f"{'; '.join(named)} ({len(missing)} of {parties} parties missing)"
 
 
+_servers: weakref.WeakKeyDictionary[Watchdog, SyncServer] = weakref.WeakKeyDictionary()
+
+
 def install(dog: Watchdog) -> SyncServer:
     """Register the synchronization ops with ``dog``."""
-    server = SyncServer(dog)
+    server = _servers[dog] = SyncServer(dog)
     dog.extensions.update(server.handlers())
     dog.on_disconnect.append(server._safely_disconnected)
     return server
+
+
+def server_of(dog: Watchdog) -> SyncServer:
+    """The primitives' state in ``dog`` (for tests and debugging)."""
+    return _servers[dog]

@@ -34,6 +34,15 @@ from pytest_elastic_timer import watchdog as wd
 from pytest_elastic_timer.client import ENV_ADDRESS
 
 SLACK = 0.5  # how long after its timeout a waiter may be released
+WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")  # when this suite runs under xdist
+ME = f"pid {os.getpid()}, {WORKER}" if WORKER else f"pid {os.getpid()}"  # how we are named
+
+
+@pytest.fixture
+def inner_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inner sessions are not xdist workers of this suite, even when it runs under -n."""
+    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
+        monkeypatch.delenv(name, raising=False)
 
 
 # -- a watchdog in a thread of this process ------------------------------------------
@@ -133,7 +142,7 @@ def test_barrier_timeout_raises_in_every_waiter_at_once(dog: wd.Watchdog) -> Non
         assert str(exc.missing[0]) == "a party that never arrived"
         assert str(exc) == (
             f"barrier 'start' timed out after {exc.elapsed:.2f}s (budget 0.5s): 2 of 3 parties "
-            f"arrived in round 0: rank 0 (pid {os.getpid()}), rank 1 (pid {os.getpid()}); "
+            f"arrived in round 0: rank 0 ({ME}), rank 1 ({ME}); "
             "missing: 1 party never arrived (1 of 3 parties missing)"
         )
     # A round that timed out is over: the barrier gathers the next round from scratch.
@@ -160,18 +169,8 @@ def test_barrier_names_a_party_that_died_waiting(dog: wd.Watchdog) -> None:
 
 
 def dog_calls(dog: wd.Watchdog) -> list[tuple[str, str, Any]]:
-    server = sync_server_of(dog)
-    return list(server.calls.values())
-
-
-def sync_server_of(dog: wd.Watchdog) -> sync_server.SyncServer:
-    handler = dog.extensions[sync_server.OP_BARRIER]
-    assert handler.__closure__ is not None
-    for cell in handler.__closure__:
-        bound = getattr(cell.cell_contents, "__self__", None)
-        if isinstance(bound, sync_server.SyncServer):
-            return bound
-    raise AssertionError("no sync server installed")
+    """The calls the watchdog's primitives are waiting on (read from the test thread)."""
+    return list(sync_server.server_of(dog).calls.values())
 
 
 def test_barrier_parties_must_agree(dog: wd.Watchdog) -> None:
@@ -198,7 +197,7 @@ def test_event_wait_timeout_names_waiters_then_set_releases_them(dog: wd.Watchdo
     assert exc.scope == "event:ready"
     assert exc.set_by is None
     assert [p.label for p in exc.waiting] == ["main"]
-    assert str(exc).endswith(f"nobody set it; waiting: main (pid {os.getpid()}) for 0.20s")
+    assert str(exc).endswith(f"nobody set it; waiting: main ({ME}) for 0.20s")
 
     results: list[Any] = []
     waiters = threading.Thread(target=lambda: results.extend(in_threads(2, wait_ready)))
@@ -211,7 +210,7 @@ def test_event_wait_timeout_names_waiters_then_set_releases_them(dog: wd.Watchdo
     assert event.wait(0)  # set: returns at once
     et.Event("ready", label="clearer").clear()
     with pytest.raises(
-        et.EventTimeout, match=r"set by setter \(pid \d+\) .*s ago, cleared by clearer"
+        et.EventTimeout, match=rf"set by setter \({ME}\) .*s ago, cleared by clearer \({ME}\) "
     ):
         event.wait(0.1)
 
@@ -262,9 +261,7 @@ def test_lock_is_mutually_exclusive_and_a_timeout_names_the_holder(dog: wd.Watch
     assert exc.holder.site == f"{__file__}:{line}"
     assert exc.held >= 0.3
     assert [p.label for p in exc.waiting] == ["late"]
-    assert f"held by holder (pid {os.getpid()}), acquired at {__file__}:{line}, held for" in str(
-        exc
-    )
+    assert f"held by holder ({ME}), acquired at {__file__}:{line}, held for" in str(exc)
     assert "(this very process: the lock is not reentrant)" in str(exc)
 
 
@@ -585,6 +582,7 @@ def timings(pytester: pytest.Pytester) -> dict[str, Any]:
     return data
 
 
+@pytest.mark.usefixtures("inner_env")
 def test_barrier_across_ranks(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(rank=RANK, test_ranks=RANKS_TEST)
     session = run(pytester, "-q")
@@ -667,6 +665,7 @@ def test_holder_killed_mid_hold():
 """
 
 
+@pytest.mark.usefixtures("inner_env")
 def test_lock_holder_killed_mid_hold(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_lock=LOCK_TEST)
     session = run(pytester, "-q", f"--elastic-timer-trace={pytester.path / 'trace.json'}")
@@ -703,6 +702,7 @@ def test_waiter():
 """
 
 
+@pytest.mark.usefixtures("inner_env")
 def test_event_across_xdist_workers(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_events=XDIST_TEST)
     plugins = [("-p", name) for name in LEAN[1::2] if name != "no:xdist"]
