@@ -22,6 +22,7 @@ from .sync import (
     LockTimeout,
     Party,
     SessionLock,
+    SyncTimeout,
     barrier,
     lock,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "Party",
     "ScopeExpired",
     "SessionLock",
+    "SyncTimeout",
     "TimeoutException",
     "TimerClient",
     "TimerRequest",

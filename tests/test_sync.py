@@ -400,7 +400,7 @@ def test_timeouts_cross_process_boundaries_intact() -> None:
         parties=2, generation=5,
     )  # fmt: skip
     copy = pickle.loads(pickle.dumps(exc))
-    assert type(copy) is et.BarrierTimeout
+    assert type(copy) is et.BarrierTimeout and isinstance(copy, et.SyncTimeout)
     assert str(copy) == str(exc)
     assert (copy.arrived, copy.missing, copy.generation) == ([party], [et.Party(0)], 5)
     assert copy.never_arrived == 1
