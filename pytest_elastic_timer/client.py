@@ -78,9 +78,13 @@ class ProcessState:
         self.watchdog_pid = 0
         self.free: list[int] = []
         self.hwm = 0
-        self.serials = itertools.count(1)
+        self.next_serial = itertools.count(1).__next__
         self.sids: dict[str, int] = {}
         self.sites: dict[tuple[CodeType, int], tuple[int, str]] = {}
+        # Call sites: id(code) + bytecode offset -> (code, parent, name, *entry()),
+        # and every (code or place, offset, parent, name) in the slower dictionary.
+        self.sites_fast: dict[int, tuple[Any, str, str | None, int, str, int]] = {}
+        self.entries: dict[tuple[object, ...], tuple[Any, str, str | None, int, str, int]] = {}
         self.paths: dict[tuple[str, str], str] = {}
         self.nodeid = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
         self.nodeid_sid = 0
@@ -190,15 +194,34 @@ class ProcessState:
 
     def site(self, frame: FrameType) -> tuple[int, str]:
         """(sid of "file:line", default scope name) for the line ``frame`` is at."""
+        # f_lasti is O(1); f_lineno walks the code's line table.
         key = (frame.f_code, frame.f_lineno)
         site = self.sites.get(key)
         if site is None:
             filename = frame.f_code.co_filename
+            line = frame.f_lineno
             site = self.sites[key] = (
-                self.sid(f"{filename}:{frame.f_lineno}"),
-                f"{os.path.basename(filename)}:{frame.f_lineno}",
+                self.sid(f"{filename}:{line}"),
+                f"{os.path.basename(filename)}:{line}",
             )
         return site
+
+    def lookup_entry(
+        self, frame: FrameType, at: tuple[str, int] | None, parent: str, name: str | None
+    ) -> tuple[Any, str, str | None, int, str, int]:
+        """(code, parent, name, site sid, scope path, path sid) of a scope entered at
+        ``frame`` (or at ``at``) below ``parent``: the path behind the fast cache."""
+        code = frame.f_code
+        key = (id(code) if at is None else at, frame.f_lasti, parent, name)
+        entry = self.entries.get(key)
+        if entry is None or entry[0] is not (code if at is None else at):
+            site_sid, default_name = self.site(frame) if at is None else self.site_at(*at)
+            path = self.path(parent, name or default_name)
+            entry = (code if at is None else at, parent, name, site_sid, path, self.sid(path))
+            self.entries[key] = entry
+        if at is None:
+            self.sites_fast[id(code) + frame.f_lasti] = entry
+        return entry
 
     def site_at(self, filename: str, line: int) -> tuple[int, str]:
         """Like :meth:`site` for an explicit place (a test's definition)."""

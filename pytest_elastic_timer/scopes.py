@@ -15,6 +15,7 @@ is left, so an overrun is never silent even if the signal arrives late.
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import struct
@@ -30,11 +31,14 @@ from . import client
 from . import table as tbl
 
 _PACK_SLOT = tbl.SLOT.pack_into
+_modules = sys.modules
+_CO_ASYNC = inspect.CO_COROUTINE | inspect.CO_ITERABLE_COROUTINE | inspect.CO_ASYNC_GENERATOR
 _DOUBLE = struct.Struct("<d")
 _SLOTS_OFFSET = tbl.SLOTS_OFFSET
 _SLOT_SIZE = tbl.SLOT_SIZE
 _H_ARMED = tbl.H_ARMED
 _INF = math.inf
+_NUMBERS = (int, float)
 STACK_FRAMES = 25  # innermost frames kept in a reported stack
 _EARLY = 0.001  # a signal is honoured up to 1 ms before the deadline (clock granularity)
 
@@ -160,7 +164,7 @@ def reattach() -> None:
 
 def _forget_after_fork() -> None:
     # The child owns none of its parent's scopes: it starts with a table of its own.
-    global _state, _tls, _state_lock
+    global _state, _state_lock, _tls
     if _state is not None and _state.sock is not None:
         _state.sock.close()  # our copy only; the parent's connection stays open
     _state = None
@@ -195,82 +199,48 @@ class TimerRequest:
     session's scale factor when the scope is entered.
     """
 
-    __slots__ = (
-        "_cancelled",
-        "_deadline",
-        "_delivered",
-        "_serial",
-        "_site_sid",
-        "_slot",
-        "_stack",
-        "_start",
-        "_state",
-        "_task",
-        "after",
-        "at",
-        "detached",
-        "flags",
-        "grace",
-        "on_expire",
-        "path",
-        "scope",
-    )
+    # Class-level defaults: constructing a scope stores three attributes, not twenty
+    # (no __slots__ on purpose: instance attributes of plain classes are as fast).
+    flags = 0
+    # A detached scope is not part of the thread's nesting (nor of scope paths): a
+    # session-wide budget around everything, or a torch-style acquire/release.
+    detached = False
+    # Turns the ScopeExpired about to be raised into another exception.
+    on_expire: Callable[[ScopeExpired], BaseException] | None = None
+    at: tuple[str, int] | None = None  # (file, line) to report instead of the caller's
+    path = ""
+    _site_sid = 0
+    _start = 0.0
+    _deadline = _INF
+    _slot = -1
+    _serial = 0
+    _state: client.ProcessState | None = None
+    _stack: _Stack | None = None
+    _delivered = False
+    _cancelled = False
+    _task: Any = None  # the asyncio task that entered the scope, if any
 
     def __init__(
         self, after: float | None, scope: str | None = None, *, grace: float | None = None
     ) -> None:
-        self.after = _check_budget(after, "after")
-        if scope is not None and not isinstance(scope, str):
+        # The common case (a plain finite number, a str, no grace) is checked cheaply.
+        self.after: float | None
+        if after.__class__ in _NUMBERS and 0 <= after < _INF:
+            self.after = after
+        else:
+            self.after = _check_budget(after, "after")
+        if scope is not None and scope.__class__ is not str and not isinstance(scope, str):
             raise TypeError(f"scope must be a str, not {scope!r}")
         self.scope = scope
-        self.grace = _check_budget(grace, "grace")
-        self.flags = 0
-        # A detached scope is not part of the thread's nesting (nor of scope paths):
-        # a session-wide budget around everything, or a torch-style acquire/release.
-        self.detached = False
-        # Turns the ScopeExpired about to be raised into another exception.
-        self.on_expire: Callable[[ScopeExpired], BaseException] | None = None
-        self.at: tuple[str, int] | None = None  # (file, line) to report instead of the caller's
-        self.path = ""
-        self._site_sid = 0
-        self._start = 0.0
-        self._deadline = _INF
-        self._slot = -1
-        self._serial = 0
-        self._state: client.ProcessState | None = None
-        self._stack: _Stack | None = None
-        self._delivered = False
-        self._cancelled = False
-        self._task: Any = None  # the asyncio task that entered the scope, if any
+        self.grace = None if grace is None else _check_budget(grace, "grace")
 
     # -- entering and leaving -----------------------------------------------------
     def __enter__(self) -> TimerRequest:
-        self._enter(sys._getframe(1))
-        return self
+        """Start the scope's clock; the scope is entered at the caller's line.
 
-    def acquire(self) -> TimerRequest:
-        """Start the scope's clock; the scope is entered at the caller's line."""
-        self._enter(sys._getframe(1))
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        __tracebackhide__ = True
-        task = self._task
-        self._exit(exc)
-        if task is not None and self._delivered and _is_our_cancel(exc, self):
-            task.uncancel()
-            raise _report(self, monotonic(), "interrupted", None, task=task) from exc
-
-    def release(self) -> None:
-        """End the scope; raises :class:`ScopeExpired` if it overran its deadline."""
-        self._exit(None)
-
-    def _enter(self, frame: FrameType) -> None:
+        ``acquire()`` is the same method. The body is one function on purpose: it is
+        the hot path of every scope.
+        """
         if self._state is not None:
             raise RuntimeError(f"scope {self.path!r} is already active")
         state = _state or process_state()
@@ -278,17 +248,32 @@ class TimerRequest:
             stack: _Stack = _tls.stack
         except AttributeError:
             stack = _thread_stack()
-        site_sid, default_name = state.site(frame) if self.at is None else state.site_at(*self.at)
+        frame = sys._getframe(1)
+        detached = self.detached
+        parent = stack[-1].path if stack and not detached else ""
+        at = self.at
+        name = self.scope
+        # One int names the call site (code objects hash slowly: CPython recomputes it);
+        # the entry keeps code, parent and name to recognise a recycled id or another
+        # nesting, which then take the slower dictionary.
+        code = frame.f_code
+        entry = state.sites_fast.get(id(code) + frame.f_lasti) if at is None else None
+        if entry is None or entry[0] is not code or entry[1] != parent or entry[2] != name:
+            entry = state.lookup_entry(frame, at, parent, name)
+        _, _, _, site_sid, path, path_sid = entry
         self._site_sid = site_sid
-        parent = stack[-1].path if stack and not self.detached else ""
-        path = self.path = state.path(parent, self.scope or default_name)
+        self.path = path
         self._state = state
         self._stack = stack
-        self._delivered = self._cancelled = False
+        if self._delivered or self._cancelled:  # a scope object used again
+            self._delivered = self._cancelled = False
         # Inside a running event loop the expiry cancels the task (asyncio.timeout's
         # way) instead of raising wherever the loop happens to be.
-        aio = sys.modules.get("asyncio")
-        self._task = aio.current_task() if aio is not None and aio._get_running_loop() else None
+        if code.co_flags & _CO_ASYNC:
+            aio = _modules.get("asyncio")
+            self._task = aio.current_task() if aio and aio._get_running_loop() else None
+        elif self._task is not None:
+            self._task = None
         now = self._start = monotonic()
         after = self.after
         if after is None:
@@ -296,33 +281,51 @@ class TimerRequest:
             self._slot = -1
         else:
             deadline = self._deadline = now + after * state.scale
-            slot = self._slot = state.alloc()
-            serial = self._serial = next(state.serials)
+            free = state.free
+            slot = self._slot = free.pop() if free else state.alloc()
+            serial = self._serial = state.next_serial()
+            grace = self.grace
             _PACK_SLOT(
                 state.table.mm,
                 _SLOTS_OFFSET + slot * _SLOT_SIZE,
-                serial,
+                0,
                 deadline,
                 now,
                 stack.tid,
-                state.sid(path),
+                path_sid,
                 site_sid,
                 state.nodeid_sid,
-                self.grace if self.grace is not None else 0.0,
+                0.0 if grace is None else grace,
                 len(stack),
                 self.flags,
                 0,
                 serial,
             )
+            # Seqlock order: the first word (serial) last, so a reader that sees it
+            # (reading first word first) sees every other field of this entry.
+            state.table.slot_words[slot << 3] = serial
             armed = state.armed[_H_ARMED]
             if deadline < armed or not armed:
                 state.notify(deadline)
-        if self.detached:
+        if detached:
             _detached[id(self)] = self
         else:
             stack.append(self)
+        return self
 
-    def _exit(self, exc: BaseException | None) -> None:
+    acquire = __enter__
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """End the scope; raises :class:`ScopeExpired` if it overran its deadline.
+
+        One function on purpose, like ``__enter__``.
+        """
+        __tracebackhide__ = True
         state = self._state
         if state is None:
             raise RuntimeError(f"scope {self.path or self.scope!r} is not active")
@@ -335,20 +338,33 @@ class TimerRequest:
                 stack.pop()
             elif self in stack:  # released out of order: the inner scopes stay open
                 stack.remove(self)
+        if state is not _state:
+            return  # entered before a fork: the parent's slots are not ours
         slot = self._slot
-        if slot >= 0 and state is _state:  # after a fork the parent's slots are not ours
+        if slot >= 0:
             state.table.slot_words[slot << 3] = 0
             state.free.append(slot)
             self._slot = -1
-            if state.trace is not None:
-                state.traced(self.path, self._start, stack.tid if stack else 0, self._delivered)
-            if exc is None and not self._delivered and not self._cancelled:
-                now = monotonic()
-                if now > self._deadline + _paused(state, now):
-                    self._delivered = True
-                    raise _report(self, now, "interrupted", sys._getframe(1))
-        elif state.trace is not None and state is _state:
-            state.traced(self.path, self._start, stack.tid if stack else 0, self._delivered)
+        if state.trace is not None:
+            state.traced(
+                self.path, self._start, stack.tid if stack is not None else 0, self._delivered
+            )
+        if self._delivered:
+            task = self._task
+            if task is not None and _is_our_cancel(exc, self):
+                task.uncancel()
+                raise _report(self, monotonic(), "interrupted", None, task=task) from exc
+        elif slot >= 0 and exc is None and not self._cancelled:
+            # Still open past its deadline: the interrupt was late (a loaded machine) or
+            # came in the middle of our own bookkeeping. An overrun is never silent.
+            now = monotonic()
+            if now > self._deadline and now > self._deadline + _paused(state, now):
+                self._delivered = True
+                raise _report(self, now, "interrupted", sys._getframe(1))
+
+    def release(self) -> None:
+        """End the scope; raises :class:`ScopeExpired` if it overran its deadline."""
+        self.__exit__(None, None, None)
 
     # -- moving the deadline ------------------------------------------------------
     def cancel(self) -> None:
@@ -390,23 +406,20 @@ class TimerRequest:
         if self._slot < 0 and state is _state:
             self._slot = state.alloc()
         if self._slot >= 0 and state is _state:
-            self._serial = next(state.serials)
+            self._serial = state.next_serial()
             stack = self._stack
-            _PACK_SLOT(
-                state.table.mm,
-                _SLOTS_OFFSET + self._slot * _SLOT_SIZE,
+            state.table.write_slot(
+                self._slot,
                 self._serial,
                 deadline,
                 self._start,
-                stack.tid if stack else 0,
+                stack.tid if stack is not None else 0,
                 state.sid(self.path),
                 self._site_sid,
                 state.nodeid_sid,
                 self.grace if self.grace is not None else 0.0,
-                stack.index(self) if stack and self in stack else 0,
+                stack.index(self) if stack is not None and self in stack else 0,
                 self.flags,
-                0,
-                self._serial,
             )
             armed = state.armed[_H_ARMED]
             if deadline < armed or not armed:
@@ -451,19 +464,16 @@ class TimerRequest:
         return f"<TimerRequest {self.path or self.scope!r} after={self.after}>"
 
 
-def expires(
-    after: float | None, scope: str | None = None, *, grace: float | None = None
-) -> TimerRequest:
-    """A scope that must end within ``after`` seconds: ``with expires(2, "allreduce"):``.
-
-    The default scope name is the caller's ``file:line``.
-    """
-    return TimerRequest(after, scope, grace=grace)
+# ``expires(after, scope=None, *, grace=None)``: a scope that must end within ``after``
+# seconds, ``with expires(2, "allreduce"):``; the default scope name is the caller's
+# ``file:line``. The class itself, not a factory function: one Python call less on
+# the hot path.
+expires = TimerRequest
 
 
 def current_scope() -> TimerRequest | None:
     """The innermost open scope of the calling thread, if any."""
-    stack = getattr(_tls, "stack", None)
+    stack: _Stack | None = getattr(_tls, "stack", None)
     return stack[-1] if stack else None
 
 
@@ -661,8 +671,8 @@ def resume() -> None:
 
 _CRITICAL.update(
     {
-        TimerRequest._enter.__code__,
-        TimerRequest._exit.__code__,
+        TimerRequest.__enter__.__code__,
+        TimerRequest.__exit__.__code__,
         TimerRequest._set_deadline.__code__,
         TimerRequest.cancel.__code__,
         client.ProcessState.alloc.__code__,

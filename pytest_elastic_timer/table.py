@@ -16,10 +16,12 @@ Layout (little endian)::
     strings  STRINGS_SIZE bytes, each entry u32 length + UTF-8 bytes; a string id
              (sid) is its offset + 1, so 0 means "none"
 
-A slot is open when its first word (serial) is non-zero and equal to its last word:
-the owner writes the whole slot with one ``pack_into`` (first to last byte), and
-clears only the first word on exit, so a half-written or closed slot never reads as
-open. This module imports nothing from pytest.
+A slot is open when its first word (serial) is non-zero and equal to its last word.
+The owner writes the slot like a seqlock: the other fields and the last word with one
+``pack_into`` while the first word is 0, then the first word; it clears only the first
+word on exit. The watchdog reads the first word first, so a half-written or closed
+slot never reads as open, and an open one never shows another entry's fields. This
+module imports nothing from pytest.
 """
 
 from __future__ import annotations
@@ -182,10 +184,14 @@ class ScopeTable:
         depth: int,
         flags: int,
     ) -> None:
+        """Write an open slot in seqlock order: first word cleared, the other fields,
+        then the first word. A reader reads the first word first (``unpack_from`` reads
+        in address order), so whenever it sees a serial it sees that entry's fields."""
+        self.slot_words[index * 8] = 0
         SLOT.pack_into(
             self.mm,
             SLOTS_OFFSET + index * SLOT_SIZE,
-            serial,
+            0,
             deadline,
             start,
             thread_id,
@@ -198,6 +204,7 @@ class ScopeTable:
             0,
             serial,
         )
+        self.slot_words[index * 8] = serial
 
     def clear_slot(self, index: int) -> None:
         self.slot_words[index * 8] = 0
