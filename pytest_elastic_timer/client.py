@@ -148,9 +148,16 @@ class ProcessState:
         table = tbl.ScopeTable.create(path)
         dump_path = ""
         preset = getattr(sys, "_pytest_elastic_timer_dump", None)
-        if preset and self.dump_sig == preset[0]:
+        here = os.path.realpath(directory)
+        if (
+            preset
+            and self.dump_sig == preset[0]
+            and os.path.dirname(os.path.realpath(preset[1].name)) == here
+        ):
             dump_path = preset[1].name  # registered at start-up already
         elif self.dump_sig:
+            # No handler yet, or one into another session's directory (a pytest run
+            # inside a test of another): dump into this session's directory.
             dump_path = os.path.join(directory, f"dump-{self.pid}-{uuid.uuid4().hex[:8]}")
             fd = os.open(dump_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
             self.dump_file = os.fdopen(fd, "w")

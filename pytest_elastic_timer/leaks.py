@@ -50,6 +50,19 @@ def direct_children() -> set[int]:
     return pids
 
 
+# Helpers multiprocessing starts once and keeps for the life of the process: not leaks.
+_SERVICES = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+
+
+def is_service(pid: int) -> bool:
+    """Whether ``pid`` is one of multiprocessing's long-lived helper processes."""
+    try:
+        cmdline = " ".join(psutil.Process(pid).cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
+    return any(name in cmdline for name in _SERVICES)
+
+
 def end_leaks(pids: set[int], kill_after: float = 1.0) -> list[dict[str, object]]:
     """End the trees of ``pids`` that still run; reap those that are our children.
 

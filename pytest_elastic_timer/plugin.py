@@ -144,6 +144,13 @@ def parse_seconds(raw: object, what: str, *, allow_zero: bool = True) -> float:
     return value
 
 
+def parse_marker_seconds(raw: object, what: str) -> float:
+    """Like :func:`parse_seconds`, but a marker takes numbers only, never text."""
+    if isinstance(raw, str):
+        raise ValueError(f"{what} must be a number of seconds, not {raw!r}")
+    return parse_seconds(raw, what)
+
+
 def read_settings(config: pytest.Config) -> Settings:
     def seconds(name: str, default: float, *, allow_zero: bool = True) -> float:
         where, raw = _option(config, name)
@@ -344,10 +351,12 @@ def _parse_marker(nodeid: str, args: tuple[Any, ...], kwargs: Mapping[str, Any])
     if not args and "seconds" not in kwargs:
         raise ValueError(f"{where} needs the number of seconds, e.g. expires(5)")
     raw = args[0] if args else kwargs["seconds"]
-    seconds = parse_seconds(raw, f"{where} seconds")
+    seconds = parse_marker_seconds(raw, f"{where} seconds")
 
     def keyword(name: str) -> float | None:
         value = kwargs.get(name)
+        if isinstance(value, str):
+            raise ValueError(f"{where} {name}= must be a number of seconds, not {value!r}")
         return None if value is None else parse_seconds(value, f"{where} {name}=") or None
 
     return Budgets(keyword("setup"), seconds or None, keyword("teardown"), keyword("grace"))
@@ -434,7 +443,7 @@ def _check_leaks(item: pytest.Item) -> None:
         return
     state = item.config.stash[SESSION]
     ours = {state.watchdog.pid} if state.watchdog else set()
-    new = leaks.direct_children() - before - ours
+    new = {p for p in leaks.direct_children() - before - ours if not leaks.is_service(p)}
     if not new:
         return
     mode = state.settings.leaks
@@ -516,8 +525,11 @@ def _lead_with_scope_line(report: pytest.TestReport, exc: ScopeExpired) -> None:
 
 def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config) -> Any:
     """Expired tests read ``T`` / ``TIMEOUT`` in the progress line and verbose output."""
-    if report.failed and any(k == xdist_support.SCOPE_PROPERTY for k, _ in report.user_properties):
-        return "failed", "T", ("TIMEOUT", {"red": True})
+    properties = getattr(report, "user_properties", ())  # a CollectReport has none
+    if report.failed and any(k == xdist_support.SCOPE_PROPERTY for k, _ in properties):
+        # Setup and teardown count as errors, as any failure there does.
+        category = "failed" if report.when == "call" else "error"
+        return category, "T", ("TIMEOUT", {"red": True})
     return None
 
 

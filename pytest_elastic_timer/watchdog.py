@@ -44,7 +44,8 @@ SOCKET_NAME = "watchdog.sock"
 RECORDS_NAME = "records.jsonl"
 _UCRED = struct.Struct("3i")
 _CHECK_EVERY = 0.01  # how often a scope in its grace period is looked at
-_RECHECK_AFTER = 0.05  # second look after a scan, in case a slot store was not yet visible
+_RECHECK_AFTER = 0.05
+_LONGEST_WAIT = 3600.0  # second look after a scan, in case a slot store was not yet visible
 
 
 @dataclass
@@ -145,6 +146,7 @@ class Watchdog:
         self.on_finish: list[Callable[[Watchdog], None]] = []
         self.junit_fallback: str | None = None  # JUnit XML written if pytest dies first
         self.trace = False  # clients record every scope into trace-<pid>-* files
+        self.summary_printed = 0  # records already printed because pytest was ended
         sync_server.install(self)
         self.file_timers = file_timer.FileTimerIntake(self)
         self.sel.register(self.file_timers.read_fd, selectors.EVENT_READ, self.file_timers.readable)
@@ -165,6 +167,8 @@ class Watchdog:
         """Wait for a message or the next due timer, then handle everything due."""
         now = time.monotonic()
         timeout = max(0.0, self._timers[0][0] - now) if self._timers else None
+        if timeout is not None:
+            timeout = min(timeout, _LONGEST_WAIT)  # select() refuses ~25 days and more
         if max_wait is not None:
             timeout = max_wait if timeout is None else min(timeout, max_wait)
         for key, _ in self.sel.select(timeout):
@@ -185,6 +189,10 @@ class Watchdog:
         try:
             conn, _ = self.listener.accept()
         except BlockingIOError:
+            return
+        if not hasattr(socket, "SO_PEERCRED"):  # not Linux: see docs/platforms.md
+            conn.close()
+            self.dropped += 1
             return
         pid, uid, _ = _UCRED.unpack(
             conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
@@ -212,7 +220,7 @@ class Watchdog:
             try:
                 op, fields = wire.decode(data)
                 self._dispatch(conn, peer_pid, op, fields)
-            except (wire.BadMessage, ValueError, TypeError, KeyError, OSError):
+            except (wire.BadMessage, ValueError, TypeError, KeyError, OSError, RecursionError):
                 self.dropped += 1
 
     def _dispatch(
@@ -461,6 +469,15 @@ class Watchdog:
         if not expiry.children:
             expiry.children = [proctree.describe(p) for p in tree if p.pid != owner.pid]
         ended = [proctree.describe(p) for p in tree]
+        if owner.pid == self.root.pid:
+            # Ending pytest itself: whoever waits for it must find the report and the
+            # summary the moment it is gone, so they come first (and again, final, later).
+            self._record(
+                owner, expiry, "terminated", stack or expiry_stack(expiry), ended, final=False
+            )
+            self.root_died = True
+            self.write_report()
+            self._print_summary()
         proctree.send(tree, signal.SIGTERM)
         proctree.send(tree, signal.SIGCONT)  # a stopped process acts on SIGTERM once it runs
         give_up = time.monotonic() + self.kill_after
@@ -486,6 +503,8 @@ class Watchdog:
         signum = self.dump_signal
         found: list[tuple[dict[str, Any], str, int]] = []
         for proc in proctree.descendants(owner.proc):
+            if proc.pid == os.getpid():
+                continue  # pytest's child, but the watchdog is nobody's evidence
             info = proctree.describe(proc)
             info["label"] = proctree.label_of(proc)
             path = startup.dump_path(self.directory, proc.pid)
@@ -594,13 +613,13 @@ class Watchdog:
         self._end_strays()
         self.session["ended"] = time.time()
         self.session["dropped_messages"] = self.dropped
+        # Workers name themselves in their table after the hello: read them now.
+        self.workers.update(
+            w for o in self.owners.values() if (w := o.header_text(tbl.H_WORKER_SID))
+        )
         self.session["workers"] = sorted(self.workers)
         self.session["root_died"] = self.root_died
-        if self.report_path:
-            try:
-                records.write_report(self.report_path, self.records, self.session)
-            except OSError as exc:
-                sys.stderr.write(f"pytest-elastic-timer: cannot write {self.report_path}: {exc}\n")
+        self.write_report()
         for callback in self.on_finish:
             try:
                 callback(self)
@@ -621,6 +640,14 @@ class Watchdog:
         self.listener.close()
         shutil.rmtree(self.directory, ignore_errors=True)
 
+    def write_report(self) -> None:
+        if not self.report_path:
+            return
+        try:
+            records.write_report(self.report_path, self.records, self.session)
+        except OSError as exc:
+            sys.stderr.write(f"pytest-elastic-timer: cannot write {self.report_path}: {exc}\n")
+
     def _end_strays(self) -> None:
         """Processes of the session still running at its end are ended with their trees."""
         procs: list[psutil.Process] = []
@@ -639,6 +666,9 @@ class Watchdog:
         proctree.wait_gone(survivors, 2.0)
 
     def _print_summary(self) -> None:
+        if self.summary_printed >= len(self.records):
+            return
+        self.summary_printed = len(self.records)
         out = sys.stderr
         try:
             out.write(

@@ -10,6 +10,7 @@ watchdog counts and drops.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 MAX_MESSAGE = 256 * 1024
@@ -31,8 +32,9 @@ def decode(data: bytes) -> tuple[str, dict[str, Any]]:
         raise BadMessage(f"message of {len(data)} bytes, over {MAX_MESSAGE}")
     try:
         value = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise BadMessage(f"not JSON: {exc}") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        # RecursionError: b"[" * 100000 is small and nests too deep for the parser.
+        raise BadMessage(f"not JSON: {type(exc).__name__}") from None
     if (
         not isinstance(value, list)
         or len(value) != 2
@@ -50,4 +52,6 @@ def field(fields: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> A
         raise BadMessage(f"field {name!r} must be {kind}, not bool")
     if not isinstance(value, kind):
         raise BadMessage(f"field {name!r} must be {kind}, not {type(value).__name__}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise BadMessage(f"field {name!r} must be finite, not {value!r}")
     return value
