@@ -365,7 +365,11 @@ class TimerRequest:
             # Still open past its deadline: the interrupt was late (a loaded machine) or
             # came in the middle of our own bookkeeping. An overrun is never silent.
             now = monotonic()
-            if now > self._deadline and now > self._deadline + _paused(state, now):
+            if (
+                now > self._deadline
+                and now > self._deadline + _paused(state, now)
+                and not _under_debugger()
+            ):
                 self._delivered = True
                 raise _report(self, now, "interrupted", sys._getframe(1))
 
@@ -622,6 +626,9 @@ def _on_interrupt(signum: int, frame: FrameType | None) -> None:
     if state is None or state.table.floats[tbl.H_SUSPENDED]:
         return
     now = monotonic()
+    if _under_debugger():
+        _postpone_expired(now)
+        return
     main = threading.main_thread().ident
     frames = sys._current_frames()
     raise_here: BaseException | None = None
@@ -666,6 +673,37 @@ def _cancel_task(state: client.ProcessState, scope: TimerRequest, now: float) ->
         nodeid=state.nodeid,
         stack=_task_stacks([task]),
     )
+
+
+_DEBUGGER_MODULES = ("bdb", "pdb", "pydevd", "debugpy", "_pydevd", "pudb", "IPython")
+
+
+def _under_debugger() -> bool:
+    """Whether a debugger's trace function runs in this thread (coverage's does not
+    count: it is a C tracer from its own module)."""
+    trace = sys.gettrace()
+    if trace is None:
+        return False
+    owner = getattr(trace, "__self__", trace)
+    bdb = _modules.get("bdb")
+    if bdb is not None and isinstance(owner, bdb.Bdb):  # pdb and every Bdb subclass
+        return True
+    module = getattr(type(owner), "__module__", "") or ""
+    if module == "builtins":
+        module = getattr(trace, "__module__", "") or ""
+    return module.split(".")[0] in _DEBUGGER_MODULES
+
+
+def _postpone_expired(now: float) -> None:
+    """Someone is stepping through this process: expired scopes get their budget
+    again (at least a second) instead of an exception in the debugger's face."""
+    for stack in list(_stacks.values()):
+        for scope in list(stack):
+            if not scope._cancelled and scope._deadline <= now + _EARLY and scope.active:
+                scope._set_deadline(now + max(1.0, scope._deadline - scope._start))
+    for scope in list(_detached.values()):
+        if not scope._cancelled and scope._deadline <= now + _EARLY and scope.active:
+            scope._set_deadline(now + max(1.0, scope._deadline - scope._start))
 
 
 def _async_raise(tid: int) -> None:
