@@ -196,8 +196,7 @@ class LineWorker:
             argv,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            text=True,
-            bufsize=1,
+            bufsize=0,  # unbuffered: a line read never takes the next one with it
             env=env,
             start_new_session=True,
         )
@@ -216,14 +215,13 @@ class LineWorker:
 
     def ask(self, command: str, timeout: float = 120.0) -> dict[str, Any]:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(command + "\n")
-        self.proc.stdin.flush()
+        self.proc.stdin.write(command.encode() + b"\n")
         return self.read(timeout)
 
     def close(self) -> None:
         if self.proc.poll() is None and self.proc.stdin is not None:
             with contextlib.suppress(OSError, ValueError):
-                self.proc.stdin.write("quit\n")
+                self.proc.stdin.write(b"quit\n")
                 self.proc.stdin.close()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(20)

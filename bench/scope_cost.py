@@ -36,7 +36,7 @@ import common
 
 GROUPS = {
     "floors": ["empty", "slot"],
-    "ours": ["ours"],
+    "ours": ["ours", "ours_construct", "ours_reuse"],
     "ours_sentinel": ["ours_sentinel"],
     "torch_local": ["torch_local", "torch_local_stack"],
     "torch_file": ["torch_file"],
@@ -45,6 +45,8 @@ LABELS = {
     "empty": "empty Python context manager (floor)",
     "slot": "64-byte slot write into shared memory + clear (floor)",
     "ours": "`pytest_elastic_timer.expires(30)`, watchdog attached",
+    "ours_construct": "  of which: `expires(30)` alone (building the TimerRequest, no enter/exit)",
+    "ours_reuse": "  of which: enter+exit of one TimerRequest built once (`with scope:`)",
     "ours_sentinel": "`pytest_elastic_timer.expires(30)`, no watchdog (in-process sentinel)",
     "torch_local": "torch `expires(30, scope=...)`, LocalTimerClient + LocalTimerServer",
     "torch_local_stack": "torch `expires(30)` without scope (inspect.stack), LocalTimerClient",
@@ -129,6 +131,23 @@ def _setup_ours(attached: bool) -> dict[str, Any]:
             except Exception as exc:
                 errors[type(exc).__name__] += 1
 
+    def construct(n: int, errors: collections.Counter[str]) -> None:
+        for _ in range(n):
+            try:
+                expires(30)
+            except Exception as exc:
+                errors[type(exc).__name__] += 1
+
+    reused = et.expires(30)
+
+    def reuse(n: int, errors: collections.Counter[str]) -> None:
+        for _ in range(n):
+            try:
+                with reused:
+                    pass
+            except Exception as exc:
+                errors[type(exc).__name__] += 1
+
     def final() -> dict[str, Any]:
         return {
             "attached_at_end": state.sock is not None,
@@ -141,8 +160,10 @@ def _setup_ours(attached: bool) -> dict[str, Any]:
             state.close()
             handle.stop()
 
-    name = "ours" if attached else "ours_sentinel"
-    return {"runners": {name: run}, "info": info, "final": final, "cleanup": cleanup}
+    runners: dict[str, Any] = {"ours": run, "ours_construct": construct, "ours_reuse": reuse}
+    if not attached:
+        runners = {"ours_sentinel": run}
+    return {"runners": runners, "info": info, "final": final, "cleanup": cleanup}
 
 
 def _torch_local_server(queue: Any, ready: Any, stop: Any) -> None:
@@ -265,7 +286,10 @@ def _setup_torch_file() -> dict[str, Any]:
 
 
 def worker(group: str) -> None:
+    import warnings
+
     common.scrub_own_env()
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")  # torch, no numpy
     try:
         setup = {
             "floors": _setup_floors,
@@ -452,6 +476,8 @@ def render(result: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
             err_text += " (" + ", ".join(f"{k} {c:,}" for k, c in row["errors"].items()) + ")"
         if name == "torch_file" and row["final"].get("first_error_after") is not None:
             err_text += f"; first error after {row['final']['first_error_after']:,} scopes"
+        if name.startswith("ours_") and name != "ours_sentinel":
+            err_text = "watchdog attached" if row["info"].get("attached") else "not attached"
         if name == "ours":
             attached = row["info"].get("attached") and row["final"].get("attached_at_end")
             err_text += "; watchdog attached" if attached else "; **NOT attached**"

@@ -133,7 +133,7 @@ def measure(quick: bool) -> dict[str, Any]:
     idle_seconds = 2.0 if quick else 5.0
     burst = 50_000 if quick else 300_000
     handle = launcher.start(grace=2, scale=1, report=None, session={})
-    children: list[subprocess.Popen[str]] = []
+    children: list[subprocess.Popen[bytes]] = []
     result: dict[str, Any] = {"idle_seconds": idle_seconds, "processes": PROCESSES}
     try:
         dog = psutil.Process(handle.pid)
@@ -160,7 +160,7 @@ def measure(quick: bool) -> dict[str, Any]:
                     env=env,
                     stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE,
-                    text=True,
+                    bufsize=0,  # unbuffered: a line read never takes the next one with it
                 )
             )
         hello = [_read(c) for c in children]
@@ -226,18 +226,17 @@ def measure(quick: bool) -> dict[str, Any]:
     return result
 
 
-def _send(child: subprocess.Popen[str], line: str) -> None:
+def _send(child: subprocess.Popen[bytes], line: str) -> None:
     assert child.stdin is not None
-    child.stdin.write(line + "\n")
-    child.stdin.flush()
+    child.stdin.write(line.encode() + b"\n")
 
 
-def _ask(child: subprocess.Popen[str], line: str) -> dict[str, Any]:
+def _ask(child: subprocess.Popen[bytes], line: str) -> dict[str, Any]:
     _send(child, line)
     return _read(child)
 
 
-def _read(child: subprocess.Popen[str], timeout: float = 120) -> dict[str, Any]:
+def _read(child: subprocess.Popen[bytes], timeout: float = 120) -> dict[str, Any]:
     import json
     import selectors
 
