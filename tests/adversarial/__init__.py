@@ -1,0 +1,1 @@
+"""The watchdog under attack, faults, bad input: tests that prove what was not lost."""
