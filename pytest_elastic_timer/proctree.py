@@ -115,7 +115,9 @@ def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
 def _signal(proc: psutil.Process, signum: int) -> None:
     try:
         proc.send_signal(signum)  # psutil refuses a pid that was reused meanwhile
-    except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError):
+    except (psutil.NoSuchProcess, psutil.AccessDenied, OSError, ValueError, OverflowError):
+        # Gone, not ours, or not a signal: a signal number read from a process's own
+        # table can be anything, and must never end the watchdog.
         pass
 
 
