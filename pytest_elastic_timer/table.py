@@ -161,7 +161,8 @@ class ScopeTable:
 
     def string(self, sid: int) -> str:
         """The string with id ``sid`` ("" for 0 or an id outside the written area)."""
-        if sid <= 0 or sid > self.words[H_STRINGS_USED]:
+        # The owner writes the header and the sids: neither is trusted to be in bounds.
+        if sid <= 0 or sid > min(self.words[H_STRINGS_USED], STRINGS_SIZE - 4):
             return ""
         offset = STRINGS_OFFSET + sid - 1
         (length,) = _U32.unpack_from(self.mm, offset)
