@@ -383,6 +383,9 @@ class Watchdog:
     def _reported(self, owner: Owner, fields: dict[str, Any]) -> None:
         """The owner raised ScopeExpired and says where it was."""
         serial = wire.field(fields, "serial", int)
+        for name in ("budget", "elapsed"):  # checked now: a record is built from them later
+            if name in fields:
+                wire.field(fields, name, (int, float))
         expiry = owner.expiries.get(serial)
         if expiry is not None:
             expiry.report = fields
