@@ -130,7 +130,10 @@ def parse_seconds(raw: object, what: str, *, allow_zero: bool = True) -> float:
     if isinstance(raw, bool):
         raise ValueError(f"{what} must be a number of seconds, not {raw!r}")
     if isinstance(raw, (int, float)):
-        value = float(raw)
+        try:
+            value = float(raw)
+        except OverflowError:  # an int too large for a float (10**400): not finite either
+            value = math.inf
     elif isinstance(raw, str):
         try:
             value = float(raw.strip())
