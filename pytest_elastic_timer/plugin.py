@@ -640,10 +640,42 @@ def pytest_unconfigure(config: pytest.Config) -> None:
             pass  # already reported: the session overran while it was ending
     if state.watchdog is None:
         return
-    state.watchdog.stop({"exitstatus": None, **ci_reports.session_end(config)})
+    end = {"exitstatus": None, **ci_reports.session_end(config)}
+    if not state.watchdog.alive() and state.settings.report:
+        _report_without_watchdog(config, state, end)
+    state.watchdog.stop(end)
     for name, value in state.previous_env.items():
         if value is None:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
     scopes.reattach()
+
+
+def _report_without_watchdog(
+    config: pytest.Config, state: SessionState, end: dict[str, Any]
+) -> None:
+    """The watchdog died before the end of the session, so it writes no JSON report:
+    write one from the records it made while it ran (later expiries were enforced
+    in-process and are in pytest's own reports only)."""
+    settings = state.settings
+    assert state.watchdog is not None and settings.report
+    lost = state.lost_watchdog or f"the watchdog (pid {state.watchdog.pid}) died"
+    session = {
+        "pid": os.getpid(),
+        "expires": settings.expires,
+        "grace": settings.grace,
+        "scale": settings.scale,
+        "args": list(config.invocation_params.args),
+        "started": state.started,
+        "ended": time.time(),
+        "workers": [],
+        "root_died": False,
+        "watchdog_lost": lost,
+        **end,
+    }
+    found = records.read_records(state.watchdog.records_path)
+    try:
+        records.write_report(settings.report, found, session)
+    except OSError as exc:
+        warnings.warn(pytest.PytestWarning(f"elastic-timer: cannot write the report: {exc}"))
