@@ -28,7 +28,7 @@ import math
 import os
 import sys
 import xml.etree.ElementTree as ET
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
@@ -117,7 +117,14 @@ class CiState:
     trace: str | None = None
     expired: dict[str, list[ExpiryRecord]] = field(default_factory=dict)
     locations: dict[str, tuple[str, int | None]] = field(default_factory=dict)
-    phases: list[PhaseTime] = field(default_factory=list)
+    # (nodeid, when, seconds, budget, expired) per phase; PhaseTime only at the end:
+    # a dataclass per phase of every test would be most of this plugin's cost.
+    raw_phases: list[tuple[str, str, float, float | None, bool]] = field(default_factory=list)
+
+    @property
+    def phases(self) -> list[PhaseTime]:
+        return [PhaseTime(*p) for p in self.raw_phases]
+
     exitstatus: int | None = None
 
 
@@ -157,13 +164,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 # -- reports -------------------------------------------------------------------------
-@pytest.hookimpl(wrapper=True, tryfirst=True)
-def pytest_runtest_makereport(
-    item: pytest.Item, call: pytest.CallInfo[None]
-) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+def annotate_report(
+    item: pytest.Item, call: pytest.CallInfo[None], report: pytest.TestReport
+) -> None:
     """The phase's budget rides on the report (also to an xdist controller); an expiry
-    in this process adds its facts as user properties."""
-    report = yield
+    in this process adds its facts as user properties. Called by the plugin's
+    makereport wrapper (one wrapper for both: each costs a generator per report)."""
     if report.when in PHASES:
         try:
             budget = getattr(plugin.budgets_of(item), report.when)
@@ -171,15 +177,16 @@ def pytest_runtest_makereport(
             budget = None
         if budget:
             setattr(report, _BUDGET_ATTR, budget * scopes.process_state().scale)
-    exc = call.excinfo.value if call.excinfo is not None else None
-    if report.failed and isinstance(exc, ScopeExpired) and _scope_of(report) == exc.scope:
+    if not report.failed or call.excinfo is None:
+        return
+    exc = call.excinfo.value
+    if isinstance(exc, ScopeExpired) and _scope_of(report) == exc.scope:
         file, line = records.split_site(exc.site)
         record = ExpiryRecord(
             item.nodeid, exc.scope, exc.budget, exc.elapsed, exc.pid, exc.label,
             os.environ.get("PYTEST_XDIST_WORKER", ""), file, line, exc.action, "",
         )  # fmt: skip
         _add_properties(report, record)
-    return report
 
 
 def _scope_of(report: pytest.TestReport) -> str | None:
@@ -241,9 +248,7 @@ class SessionReports:
             seen = {(k.pid, k.scope) for k in known}
             known.extend(r for r in found if (r.pid, r.scope) not in seen)
         budget = getattr(report, _BUDGET_ATTR, None)
-        state.phases.append(
-            PhaseTime(report.nodeid, report.when, report.duration, budget, bool(found))
-        )
+        state.raw_phases.append((report.nodeid, report.when, report.duration, budget, bool(found)))
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
@@ -359,7 +364,7 @@ def slow_phases(state: CiState) -> list[PhaseTime]:
     """Test phases that used at least the slow fraction of their budget (not expired)."""
     if not state.slow:
         return []
-    found = [p for p in state.phases if p.share is not None and state.slow <= p.share <= 1.0]
+    found = [PhaseTime(*p) for p in state.raw_phases if p[3] and state.slow <= p[2] / p[3] <= 1.0]
     return sorted(found, key=lambda p: -(p.share or 0.0))
 
 

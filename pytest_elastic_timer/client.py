@@ -93,6 +93,7 @@ class ProcessState:
         # writes a trace timeline; None otherwise (the hot path checks only that).
         self.trace: list[tuple[str, float, float, int, str, bool]] | None = None
         self.trace_flushed = 0.0
+        self.alive_checked = 0.0
         self.on_interrupt = on_interrupt
         self.interrupt_sig, self.dump_sig = self._install_signals(on_interrupt)
         self.table = self._attach()
@@ -214,17 +215,35 @@ class ProcessState:
         return site
 
     def lookup_entry(
-        self, frame: FrameType, at: tuple[str, int] | None, parent: str, name: str | None
+        self,
+        frame: FrameType,
+        at: tuple[str, int] | None,
+        parent: str,
+        name: str | None,
+        timed: bool = True,
     ) -> tuple[Any, str, str | None, int, str, int]:
         """(code, parent, name, site sid, scope path, path sid) of a scope entered at
         ``frame`` (or at ``at``) below ``parent``: the path behind the fast cache."""
         code = frame.f_code
         key = (id(code) if at is None else at, frame.f_lasti, parent, name)
         entry = self.entries.get(key)
-        if entry is None or entry[0] is not (code if at is None else at):
+        if (
+            entry is None
+            or entry[0] is not (code if at is None else at)
+            or (timed and not entry[5])
+        ):
             site_sid, default_name = self.site(frame) if at is None else self.site_at(*at)
             path = self.path(parent, name or default_name)
-            entry = (code if at is None else at, parent, name, site_sid, path, self.sid(path))
+            # The path's string is written to the table only for a scope with a slot:
+            # tests' phases without a budget would add three strings per test.
+            entry = (
+                code if at is None else at,
+                parent,
+                name,
+                site_sid,
+                path,
+                self.sid(path) if timed else 0,
+            )
             self.entries[key] = entry
         if at is None:
             self.sites_fast[id(code) + frame.f_lasti] = entry
@@ -314,13 +333,17 @@ class ProcessState:
         except OSError as exc:
             self._lose(str(exc))
 
-    def watchdog_alive(self) -> bool:
-        """Whether the watchdog still holds our connection (a non-blocking peek).
-
-        When it is gone, scopes are enforced in-process from now on."""
+    def watchdog_alive(self, every: float = 0.0) -> bool:
+        """Whether the watchdog still holds our connection (a non-blocking peek, at
+        most once per ``every`` seconds). When it is gone, scopes are enforced
+        in-process from now on."""
         sock = self.sock
         if sock is None:
             return False
+        now = time.monotonic()
+        if now - self.alive_checked < every:
+            return True
+        self.alive_checked = now
         try:
             data = sock.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK)
         except BlockingIOError:

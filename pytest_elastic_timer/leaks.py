@@ -34,6 +34,25 @@ def become_subreaper() -> bool:
         return False
 
 
+_children_fds: dict[tuple[int, str], int] = {}  # (pid, task) -> open procfs fd
+
+
+def _read_children(task: str) -> bytes:
+    # A kept-open procfs file read again at offset 0 is generated anew: one pread
+    # instead of open+read+close for every test.
+    key = (os.getpid(), task)
+    fd = _children_fds.get(key)
+    if fd is None:
+        fd = _children_fds[key] = os.open(f"/proc/self/task/{task}/children", os.O_RDONLY)
+    data = os.pread(fd, 4096, 0)
+    while len(data) % 4096 == 0 and data:  # more children than one page holds
+        more = os.pread(fd, 4096, len(data))
+        if not more:
+            break
+        data += more
+    return data
+
+
 def direct_children() -> set[int]:
     """Pids of this process's children (any thread's), as the kernel lists them."""
     tasks = [str(threading.main_thread().native_id or os.getpid())]
@@ -43,9 +62,9 @@ def direct_children() -> set[int]:
     pids: set[int] = set()
     for task in tasks:
         try:
-            with open(f"/proc/self/task/{task}/children", encoding="ascii") as f:
-                pids.update(int(p) for p in f.read().split())
+            pids.update(int(p) for p in _read_children(task).split())
         except (OSError, ValueError):
+            _children_fds.pop((os.getpid(), task), None)
             continue
     return pids
 

@@ -371,14 +371,23 @@ def _phase_scope(
 ) -> TimerRequest:
     scope = TimerRequest(budget, f"{item.name}::{when}", grace=grace)
     scope.flags = tbl.FLAG_TEST_PHASE
-    scope.at = _definition(item)
+    if budget is not None:  # a scope without a deadline is never reported: no place needed
+        scope.at = _definition(item)
     return scope
+
+
+DEFINITION = pytest.StashKey[tuple[str, int]]()
 
 
 def _definition(item: pytest.Item) -> tuple[str, int]:
     """Where the test is defined: the file and 1-based line its report points at."""
-    path, line, _ = item.reportinfo()
-    return str(os.path.abspath(path)), (line or 0) + 1
+    found = item.stash.get(DEFINITION, None)
+    if found is None:
+        # item.location is computed (and cached) by pytest before setup anyway.
+        path, line, _ = item.location
+        found = (str(item.config.rootpath / path), (line or 0) + 1)
+        item.stash[DEFINITION] = found
+    return found
 
 
 def _budgets_or_fail(item: pytest.Item) -> Budgets:
@@ -388,16 +397,33 @@ def _budgets_or_fail(item: pytest.Item) -> Budgets:
         pytest.fail(str(exc), pytrace=False)
 
 
+def _run_phase(
+    item: pytest.Item, when: str, budget: float | None, grace: float | None
+) -> Generator[None, None, None]:
+    """The body of the phase wrappers: the phase runs inside its scope, or, without a
+    budget, under its name only (scopes entered in it nest below it either way)."""
+    if budget is None:
+        token = scopes.enter_phase(f"{item.name}::{when}")
+        try:
+            return (yield)
+        finally:
+            scopes.leave_phase(token)
+    scope = _phase_scope(item, when, budget, grace)
+    if when == "call":
+        item.stash[CALL_SCOPE] = scope
+    with scope:
+        return (yield)
+
+
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
     process = scopes.process_state()
-    if process.sock is not None and not process.watchdog_alive():
+    if process.sock is not None and not process.watchdog_alive(every=1.0):
         _watchdog_lost(item)
     process.set_nodeid(item.nodeid)
     process.set_phase("setup")
     budgets = _budgets_or_fail(item)
-    with _phase_scope(item, "setup", budgets.setup, budgets.grace):
-        return (yield)
+    return (yield from _run_phase(item, "setup", budgets.setup, budgets.grace))
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -406,10 +432,7 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
     scopes.process_state().set_phase("call")
     if item.config.stash[SESSION].settings.leaks != "off":
         item.stash[CHILDREN_AT_CALL] = leaks.direct_children()
-    scope = _phase_scope(item, "call", budgets.call, budgets.grace)
-    item.stash[CALL_SCOPE] = scope
-    with scope:
-        return (yield)
+    return (yield from _run_phase(item, "call", budgets.call, budgets.grace))
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -418,8 +441,7 @@ def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
     process = scopes.process_state()
     process.set_phase("teardown")
     try:
-        with _phase_scope(item, "teardown", budgets.teardown, budgets.grace):
-            return (yield)
+        return (yield from _run_phase(item, "teardown", budgets.teardown, budgets.grace))
     finally:
         process.set_nodeid("")
         process.set_phase("between tests")
@@ -485,6 +507,7 @@ def pytest_runtest_makereport(
         _lead_with_scope_line(report, excinfo.value)
     if report.failed:
         _add_process_sections(item, report)
+    ci_reports.annotate_report(item, call, report)
     return report
 
 
@@ -528,8 +551,10 @@ def _lead_with_scope_line(report: pytest.TestReport, exc: ScopeExpired) -> None:
 
 def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config) -> Any:
     """Expired tests read ``T`` / ``TIMEOUT`` in the progress line and verbose output."""
+    if not report.failed:
+        return None
     properties = getattr(report, "user_properties", ())  # a CollectReport has none
-    if report.failed and any(k == xdist_support.SCOPE_PROPERTY for k, _ in properties):
+    if any(k == xdist_support.SCOPE_PROPERTY for k, _ in properties):
         # Setup and teardown count as errors, as any failure there does.
         category = "failed" if report.when == "call" else "error"
         return category, "T", ("TIMEOUT", {"red": True})
@@ -678,4 +703,6 @@ def _report_without_watchdog(
     try:
         records.write_report(settings.report, found, session)
     except OSError as exc:
-        warnings.warn(pytest.PytestWarning(f"elastic-timer: cannot write the report: {exc}"))
+        warnings.warn(
+            pytest.PytestWarning(f"elastic-timer: cannot write the report: {exc}"), stacklevel=2
+        )

@@ -117,13 +117,15 @@ class _AsyncScopeExpired(ScopeExpired):
 
 
 class _Stack(list["TimerRequest"]):
-    """The open scopes of one thread, outermost first."""
+    """The open scopes of one thread, outermost first; ``prefix`` names the test phase
+    the thread is in when that phase has no budget (and so no scope of its own)."""
 
-    __slots__ = ("tid",)
+    __slots__ = ("prefix", "tid")
 
     def __init__(self, tid: int) -> None:
         super().__init__()
         self.tid = tid
+        self.prefix = ""
 
 
 _tls = threading.local()
@@ -253,7 +255,7 @@ class TimerRequest:
             stack = _thread_stack()
         frame = sys._getframe(1)
         detached = self.detached
-        parent = stack[-1].path if stack and not detached else ""
+        parent = "" if detached else stack[-1].path if stack else stack.prefix
         at = self.at
         name = self.scope
         # One int names the call site (code objects hash slowly: CPython recomputes it);
@@ -262,7 +264,7 @@ class TimerRequest:
         code = frame.f_code
         entry = state.sites_fast.get(id(code) + frame.f_lasti) if at is None else None
         if entry is None or entry[0] is not code or entry[1] != parent or entry[2] != name:
-            entry = state.lookup_entry(frame, at, parent, name)
+            entry = state.lookup_entry(frame, at, parent, name, self.after is not None)
         _, _, _, site_sid, path, path_sid = entry
         self._site_sid = site_sid
         self.path = path
@@ -284,6 +286,8 @@ class TimerRequest:
             self._slot = -1
         else:
             deadline = self._deadline = now + after * state.scale
+            if not path_sid:
+                path_sid = state.sid(path)
             free = state.free
             slot = self._slot = free.pop() if free else state.alloc()
             serial = self._serial = state.next_serial()
@@ -482,6 +486,27 @@ class TimerRequest:
 expires = TimerRequest
 
 
+def enter_phase(path: str) -> tuple[_Stack, str, int]:
+    """Name the phase this thread enters (a test phase without a budget): scopes
+    entered from now on nest below ``path``. Cheaper than a scope without deadline."""
+    try:
+        stack: _Stack = _tls.stack
+    except AttributeError:
+        stack = _thread_stack()
+    previous = stack.prefix
+    stack.prefix = path
+    return stack, previous, len(stack)
+
+
+def leave_phase(token: tuple[_Stack, str, int]) -> None:
+    """End the phase of :func:`enter_phase`; scopes it left open are closed."""
+    stack, previous, depth = token
+    ending = stack.prefix
+    stack.prefix = previous
+    if len(stack) > depth:
+        _close_above(stack, depth, ending)
+
+
 def current_scope() -> TimerRequest | None:
     """The innermost open scope of the calling thread, if any."""
     stack: _Stack | None = getattr(_tls, "stack", None)
@@ -500,8 +525,14 @@ def _close_abandoned(stack: _Stack, scope: TimerRequest) -> None:
     released): they end with it, as in Trio, so that no forgotten scope outlives its
     enclosing one (a test's phase) and expires in somebody else's code."""
     index = stack.index(scope)
-    abandoned = stack[index + 1 :]
+    _close_above(stack, index + 1, scope.path)
     del stack[index:]
+
+
+def _close_above(stack: _Stack, depth: int, ending: str) -> None:
+    """Close the scopes of ``stack`` from ``depth`` up, which ``ending`` outlived."""
+    abandoned = stack[depth:]
+    del stack[depth:]
     for inner in abandoned:
         state = inner._state
         inner._state = None
@@ -512,7 +543,7 @@ def _close_abandoned(stack: _Stack, scope: TimerRequest) -> None:
             inner._slot = -1
     names = ", ".join(repr(s.path) for s in abandoned)
     warnings.warn(
-        f"scope {scope.path!r} ended while {names} inside it were still open; "
+        f"scope {ending!r} ended while {names} inside it were still open; "
         "they were closed with it (release every scope you acquire)",
         RuntimeWarning,
         stacklevel=3,
