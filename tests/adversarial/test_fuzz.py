@@ -228,11 +228,11 @@ class Local:
     """A watchdog in this process, and this process registered with it (interrupts
     arrive on a signal of our own; the grace is long, so it never gets further)."""
 
-    def __init__(self) -> None:
+    def __init__(self, grace: float = 60.0) -> None:
         self.directory = tempfile.mkdtemp(prefix="pet-adv-")
         root = proctree.ProcessId.of(os.getpid())
         assert root is not None
-        self.dog = wd.Watchdog(self.directory, root=root, grace=60.0, kill_after=1.0)
+        self.dog = wd.Watchdog(self.directory, root=root, grace=grace, kill_after=1.0)
         self.arrived: list[float] = []
         self.signum = _free_signal()
         self.previous = signal.signal(
