@@ -45,8 +45,8 @@ PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(proctree.__file
 
 # Inner pytest sessions (pytester): only what they need, as in tests/helpers.py, but
 # xdist stays available where a session asks for it.
-LEAN_WITH_XDIST = ("-p", "no:cacheprovider", "-p", "no:asyncio", "-p", "no:hypothesispytest")
-LEAN_WITH_XDIST += ("-p", "no:timeout")
+LEAN_WITH_XDIST: tuple[str, ...] = ("-p", "no:cacheprovider", "-p", "no:asyncio")
+LEAN_WITH_XDIST += ("-p", "no:hypothesispytest", "-p", "no:timeout")
 
 
 def session_env(address: str, directory: str) -> dict[str, str]:

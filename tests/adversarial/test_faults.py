@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import jsonschema
+import jsonschema  # type: ignore[import-untyped]
 import psutil
 import pytest
 from helpers import HEADER, LEAN, REPORT_NAME, run
@@ -209,7 +209,7 @@ def test_pytest_killed_with_sigkill_leaves_report_junit_and_no_process(
 # -- the watchdog killed mid-session ------------------------------------------------------
 WATCHDOG_KILLED = """
 import os, signal, subprocess, sys, time
-import jsonschema
+import jsonschema  # type: ignore[import-untyped]
 import psutil
 import pytest
 import pytest_elastic_timer as et
@@ -540,7 +540,7 @@ def test_a_process_that_survives_sigkill_is_reported_and_nothing_hangs(
     record notes the survivor, the ladder gives up after its wait and the session's end
     does not hang on it."""
     local = Local(grace=GRACE)  # this process registers too, but never opens a scope
-    survivor: subprocess.Popen[bytes] | None = None
+    survivor: subprocess.Popen[str] | None = None
     try:
         real_signal = proctree._signal
 
@@ -552,24 +552,24 @@ def test_a_process_that_survives_sigkill_is_reported_and_nothing_hangs(
         monkeypatch.setattr(proctree, "_signal", signal_except_sigkill)
         env = {**os.environ, client.ENV_ADDRESS: local.dog.address}
         env.pop(startup.ENV_DUMP_SIGNAL, None)
-        survivor = subprocess.Popen(
+        rank = survivor = subprocess.Popen(
             [sys.executable, "-c", SURVIVOR], env=env, stdout=subprocess.PIPE, text=True
         )
-        assert pump(local.dog, lambda: survivor.pid in local.dog.owners, 20)
-        owner = local.dog.owners[survivor.pid]
+        assert pump(local.dog, lambda: rank.pid in local.dog.owners, 20)
+        owner = local.dog.owners[rank.pid]
         started = time.monotonic()
         assert pump(local.dog, lambda: bool(local.dog.records) and not owner.expiries, 20)
-        (record,) = [r for r in local.dog.records if r.pid == survivor.pid]
+        (record,) = [r for r in local.dog.records if r.pid == rank.pid]
         assert record.action == "killed"  # what was done, not what it achieved:
         assert "still alive after SIGKILL" in record.stack  # ... the record says so
         assert time.monotonic() - started < 0.2 + GRACE + KILL_AFTER + 2.0 + 3.0
-        assert survivor.poll() is None
+        assert rank.poll() is None
         # The session's end: strays are ended, survivors given up on, no hang.
         began = time.monotonic()
         local.dog._end_strays()
         assert time.monotonic() - began < KILL_AFTER + 2.0 + 1.0
-        assert survivor.poll() is None
-        assert local.dog.session["stray_processes"][0]["pid"] == survivor.pid
+        assert rank.poll() is None
+        assert local.dog.session["stray_processes"][0]["pid"] == rank.pid
     finally:
         monkeypatch.undo()
         if survivor is not None:

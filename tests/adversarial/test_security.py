@@ -149,7 +149,7 @@ def test_hello_for_another_process_or_a_foreign_table_is_refused(dog: Dog, tmp_p
     with outsider(dog.root) as stranger:
         forged.words[tbl.H_PID] = stranger.pid  # a table that says it is the stranger's
         in_dir = os.path.join(dog.directory, f"table-{stranger.pid}-x")
-        refused = {
+        refused: dict[str, dict[str, Any]] = {
             "the stranger's pid": dict(pid=stranger.pid, table=in_dir),
             "init's pid": dict(pid=1, table=os.path.join(dog.directory, "table-1-x")),
             "the probe's pid and table": dict(pid=probe.pid, table=table_path_of(dog, probe.pid)),
