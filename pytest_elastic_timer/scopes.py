@@ -486,7 +486,7 @@ class TimerRequest:
 expires = TimerRequest
 
 
-def enter_phase(path: str) -> tuple[_Stack, str, int]:
+def enter_phase(path: str) -> tuple[_Stack, str, int, float]:
     """Name the phase this thread enters (a test phase without a budget): scopes
     entered from now on nest below ``path``. Cheaper than a scope without deadline."""
     try:
@@ -495,16 +495,21 @@ def enter_phase(path: str) -> tuple[_Stack, str, int]:
         stack = _thread_stack()
     previous = stack.prefix
     stack.prefix = path
-    return stack, previous, len(stack)
+    state = _state
+    start = monotonic() if state is not None and state.trace is not None else 0.0
+    return stack, previous, len(stack), start
 
 
-def leave_phase(token: tuple[_Stack, str, int]) -> None:
+def leave_phase(token: tuple[_Stack, str, int, float]) -> None:
     """End the phase of :func:`enter_phase`; scopes it left open are closed."""
-    stack, previous, depth = token
+    stack, previous, depth, start = token
     ending = stack.prefix
     stack.prefix = previous
     if len(stack) > depth:
         _close_above(stack, depth, ending)
+    state = _state
+    if start and state is not None and state.trace is not None:
+        state.traced(ending, start, stack.tid, False)  # the timeline shows every phase
 
 
 def current_scope() -> TimerRequest | None:
