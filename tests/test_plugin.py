@@ -126,10 +126,8 @@ def test_hang_fails_in_its_budget_naming_the_scope(pytester: pytest.Pytester, ki
     session = run(pytester)
     session.assert_clean()
     in_fixture = kind == "session-fixture"
-    outcomes = session.result.parseoutcomes()
-    assert outcomes.get("passed") == 2
-    if in_fixture:  # an error (see test_setup_expiry_is_an_error), or a failure
-        assert outcomes.get("errors", 0) + outcomes.get("failed", 0) == 1
+    if in_fixture:  # an expiry in setup is an error (see test_setup_expiry_is_an_error)
+        session.result.assert_outcomes(passed=2, errors=1)
     else:
         session.result.assert_outcomes(passed=2, failed=1)
     assert session.result.ret == pytest.ExitCode.TESTS_FAILED
@@ -149,28 +147,64 @@ def test_hang_fails_in_its_budget_naming_the_scope(pytester: pytest.Pytester, ki
     assert len(session.report["expired"]) == 1
 
 
-@pytest.mark.xfail(
-    reason="BUG: plugin.py pytest_report_teststatus returns the category 'failed' for every "
-    "report of an expired scope, so an expiry in setup or teardown counts as a failure, "
-    "not an error",
-    strict=True,
-)
 def test_setup_expiry_is_an_error(pytester: pytest.Pytester) -> None:
     conftest, body = HANGS["session-fixture"][:2]
     pytester.makeconftest(conftest)
     pytester.makepyfile(test_hang=BEFORE + textwrap.dedent(body) + AFTER)
-    session = run(pytester)
+    session = run(pytester, "-v")
     session.assert_clean()
     session.result.assert_outcomes(passed=2, errors=1)
+    assert session.result.ret == pytest.ExitCode.TESTS_FAILED
     assert any(re.match(r"^_+ ERROR at setup of test_x _+$", s) for s in session.lines)
+    # An error, and still the status word of an expiry.
+    assert re.search(r"^test_hang.py::test_x TIMEOUT\b", session.stdout, re.M), session.stdout
+    assert "TIMEOUT test_hang.py::test_x - scope 'test_x::setup/resource'" in session.stdout
+
+
+def test_teardown_expiry_is_an_error(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        test_hang=BEFORE
+        + """
+import time
+import pytest
+
+@pytest.fixture
+def stuck():
+    yield
+    time.sleep(30)
+
+@pytest.mark.expires(5, teardown=0.3)
+def test_x(stuck):
+    pass
+"""
+        + AFTER
+    )
+    session = run(pytester, "-v")
+    session.assert_clean()
+    # The call passed; its teardown is the error.
+    session.result.assert_outcomes(passed=3, errors=1)
+    assert session.result.ret == pytest.ExitCode.TESTS_FAILED
+    lead = session.failure_lead("test_x")
+    assert scope_line("test_x::teardown", "0.3").match(lead), lead
+    assert any(re.match(r"^_+ ERROR at teardown of test_x _+$", s) for s in session.lines)
+    assert re.search(r"^test_hang.py::test_x TIMEOUT\b", session.stdout, re.M), session.stdout
+    assert session.record("test_x::teardown")["nodeid"] == "test_hang.py::test_x"
 
 
 LEAKED_SCOPE = """
 import time
+import pytest
 import pytest_elastic_timer as et
+
+@pytest.fixture
+def leaky():
+    et.TimerRequest(0.3, scope="fixture-leaked").acquire()  # never released
 
 def test_leaks():
     et.TimerRequest(0.3, scope="leaked").acquire()  # never released
+
+def test_fixture_leaks(leaky):
+    pass
 
 def test_unrelated():
     time.sleep(1.5)
@@ -180,19 +214,29 @@ def test_after():
 """
 
 
-@pytest.mark.xfail(
-    reason="BUG: a scope a test leaves open outlives the test (plugin.py "
-    "pytest_runtest_call leaves it on the thread's stack): its expiry interrupts a later, "
-    "unrelated test, and since nothing can close it, the watchdog then terminates pytest",
-    strict=True,
-)
 def test_scope_left_open_by_a_test_does_not_hit_later_tests(pytester: pytest.Pytester) -> None:
+    """A scope a test (or its fixture) leaves open ends with the test's phase scope, with
+    a RuntimeWarning naming it; it never expires in a later test."""
     pytester.makepyfile(test_leak=LEAKED_SCOPE)
     session = run(pytester, "-v", "--elastic-timer-grace=0.5")
-    assert "INTERNALERROR" not in session.text
-    assert session.result.ret in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED)
-    assert "test_leak.py::test_unrelated PASSED" in session.stdout
-    assert "test_leak.py::test_after PASSED" in session.stdout
+    session.assert_clean()
+    assert session.result.ret == pytest.ExitCode.OK
+    session.result.assert_outcomes(passed=4, warnings=2)
+    for name in ("test_leaks", "test_fixture_leaks", "test_unrelated", "test_after"):
+        assert f"test_leak.py::{name} PASSED" in session.stdout
+    assert session.report is not None and session.report["expired"] == []
+    assert "elastic-timer: expired scopes" not in session.text
+    summary = session.stdout.split("warnings summary")[1]
+    for phase, leaked in (
+        ("test_leaks::call", "leaked"),
+        ("test_fixture_leaks::setup", "fixture-leaked"),
+    ):
+        assert (
+            f"RuntimeWarning: scope '{phase}' ended while '{phase}/{leaked}' inside it were "
+            "still open" in summary
+        ), summary
+    assert "test_leak.py::test_leaks\n" in summary
+    assert "test_leak.py::test_fixture_leaks\n" in summary
 
 
 def test_json_report_fields(pytester: pytest.Pytester) -> None:
@@ -387,30 +431,72 @@ def test_scope_api_in_a_session(pytester: pytest.Pytester) -> None:
     assert child["line"] == 4
 
 
-@pytest.mark.xfail(
-    reason="BUG: ScopeExpired.budget and its first line keep the budget of before "
-    "reschedule()/extend() (scopes.py _report uses scope.after, not the moved deadline)",
-    strict=True,
-)
-def test_rescheduled_scope_reports_its_moved_budget(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(
-        test_moved="""
-        import time
-        import pytest_elastic_timer as et
+RESCHEDULED = """
+import json
+import time
+import pytest_elastic_timer as et
 
-        def test_x():
-            with et.TimerRequest(30, scope="moved") as timer:
-                timer.reschedule(0.3)
+def test_x():
+    budgets = {}
+    for n in range(3):
+        try:
+            with et.TimerRequest(30, scope=f"moved{n}") as timer:
+                timer.reschedule(0.2)
                 time.sleep(30)
-        """
-    )
+        except et.ScopeExpired as exc:
+            budgets[exc.scope] = exc.budget
+    with open("budgets.json", "w") as f:
+        json.dump(budgets, f)
+    with et.TimerRequest(30, scope="moved") as timer:
+        timer.reschedule(0.3)
+        time.sleep(30)
+"""
+
+
+def test_rescheduled_scope_reports_its_moved_budget(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_moved=RESCHEDULED)
     session = run(pytester)
     session.assert_clean()
     session.result.assert_outcomes(failed=1)
+    # The budget is from entering the scope to its moved deadline: 0.3 s and the moment
+    # between entering and rescheduling (long only on a loaded machine), never the 30 s
+    # the scope was entered with.
     record = session.record("test_x::call/moved")
-    assert record["budget"] == pytest.approx(0.3, abs=0.01)
+    assert 0.3 <= record["budget"] < 0.3 + 1
+    assert record["budget"] <= record["elapsed"] < record["budget"] + 3
+    # The exception carries the moved budget too, as the record has it (to the ms).
     lead = session.failure_lead("test_x")
-    assert scope_line("test_x::call/moved", "0.3").match(lead), lead
+    match = re.match(
+        r"^scope 'test_x::call/moved' expired after [\d.]+s \(budget ([\d.]+)s\)", lead
+    )
+    assert match, lead
+    assert float(match.group(1)) == pytest.approx(record["budget"], abs=0.0006)
+    budgets = json.loads((pytester.path / "budgets.json").read_text())
+    assert len(budgets) == 3
+    for scope, budget in budgets.items():
+        assert 0.2 <= budget < 0.2 + 1
+        assert budget == pytest.approx(session.record(scope)["budget"], abs=0.0006)
+
+
+@pytest.mark.xfail(
+    reason="BUG: after reschedule() an expired scope's budget differs between the exception "
+    "and the report: ScopeExpired.budget (and so the failure's first line) is rounded to "
+    "microseconds (scopes.py _budget_of, round(budget, 6): 'budget 0.300256s', the moment "
+    "between entering and rescheduling included) while the watchdog's record, the "
+    "terminal summary and the JSON report round to milliseconds (watchdog.py _record, "
+    "round(budget, 3): 'budget 0.3s')",
+    strict=True,
+)
+def test_rescheduled_scope_budget_is_the_same_everywhere(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_moved=RESCHEDULED)
+    session = run(pytester)
+    session.assert_clean()
+    # Three scopes: that all three moments between entering and rescheduling were whole
+    # milliseconds (the roundings agreeing by chance) is one chance in a billion.
+    budgets = json.loads((pytester.path / "budgets.json").read_text())
+    assert len(budgets) == 3
+    for scope, budget in budgets.items():
+        assert budget == session.record(scope)["budget"], scope
 
 
 # -- a C loop that holds the GIL: the watchdog ends pytest and still reports ----------
@@ -442,6 +528,7 @@ def test_c_loop_holding_the_gil_is_terminated(pytester: pytest.Pytester) -> None
     assert any(line.match(text) for text in session.stderr.splitlines()), session.stderr
     assert "test_gil" in session.stderr.split("pytest was ended")[1]
     assert f"JSON report written to {pytester.path / REPORT_NAME}" in session.stderr
+    assert session.stderr.count("elastic-timer: expired scopes (pytest was ended)") == 1
     # ... and in the JSON report.
     record = session.record("test_gil::call")
     assert record["action"] in ("terminated", "killed")
@@ -453,13 +540,6 @@ def test_c_loop_holding_the_gil_is_terminated(pytester: pytest.Pytester) -> None
     assert session.report["session"]["root_died"] is True
 
 
-@pytest.mark.xfail(
-    reason="BUG: a pytest session started inside another one (pytester, a wrapper) keeps "
-    "the stack-dump handler the outer session's sitecustomize registered, writing into "
-    "the outer session's directory; its own watchdog refuses that dump path "
-    "(watchdog.py _hello) and reports an empty stack",
-    strict=True,
-)
 def test_nested_session_dumps_stacks(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         test_cloop="""
@@ -475,25 +555,30 @@ def test_nested_session_dumps_stacks(pytester: pytest.Pytester) -> None:
     record = session.record("test_gil::call")
     assert record["action"] in ("terminated", "killed")
     assert "in test_gil" in record["stack"]
+    assert session.report["session"]["root_died"] is True
 
 
 HANG_IGNORING_INTERRUPTS = """
 import os
+import shutil
 import signal
 import time
 import pytest
 import pytest_elastic_timer as et
 
 REPORT = {report!r}
+STDERR = {stderr!r}
 
 def on_sigterm(signum, frame):
-    with open("report-at-sigterm", "w") as f:
-        f.write("yes" if os.path.exists(REPORT) else "no")
+    # What a caller finds the moment pytest is gone.
+    if os.path.exists(REPORT):
+        shutil.copy(REPORT, "report-at-sigterm.json")
+    shutil.copy(STDERR, "stderr-at-sigterm")
     os._exit(1)
 
 @pytest.mark.expires(0.3)
 def test_stubborn():
-    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGTERM, {handler})
     while True:
         try:
             time.sleep(10)
@@ -502,21 +587,81 @@ def test_stubborn():
 """
 
 
-@pytest.mark.xfail(
-    reason="BUG: when the watchdog ends the pytest process it writes the JSON report and "
-    "prints its summary only after pytest is gone (watchdog.py Watchdog.finish runs on "
-    "stdin EOF), so a caller that reads them when pytest exits finds neither",
-    strict=True,
-)
-def test_report_is_complete_when_the_watchdog_ends_pytest(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(
-        test_stubborn=HANG_IGNORING_INTERRUPTS.format(report=str(pytester.path / REPORT_NAME))
+def stubborn(pytester: pytest.Pytester, handler: str = "on_sigterm") -> None:
+    """A test that ignores its interrupts: the watchdog ends pytest (SIGTERM, which
+    ``handler`` receives, then SIGKILL)."""
+    source = HANG_IGNORING_INTERRUPTS.format(
+        report=str(pytester.path / REPORT_NAME),
+        stderr=str(pytester.path / "stderr"),  # where runpytest_subprocess puts it
+        handler=handler,
     )
+    pytester.makepyfile(test_stubborn=source)
+
+
+def test_report_is_complete_when_the_watchdog_ends_pytest(pytester: pytest.Pytester) -> None:
+    stubborn(pytester)
     session = run(pytester, "--elastic-timer-grace=0.3")
     assert "INTERNALERROR" not in session.text
+    assert session.result.ret == 1  # the handler's os._exit(1)
     record = session.record("test_stubborn::call")
-    assert record["action"] in ("terminated", "killed")
-    assert (pytester.path / "report-at-sigterm").read_text() == "yes"
+    assert record["action"] == "terminated"
+    assert session.report["session"]["root_died"] is True
+    # The report was complete before pytest got its SIGTERM ...
+    early = json.loads((pytester.path / "report-at-sigterm.json").read_text())
+    (found,) = early["expired"]
+    assert (found["scope"], found["nodeid"], found["action"]) == (
+        "test_stubborn::call",
+        "test_stubborn.py::test_stubborn",
+        "terminated",
+    )
+    assert "in test_stubborn" in found["stack"]
+    # ... and so was the watchdog's summary on the terminal, printed once.
+    stderr = (pytester.path / "stderr-at-sigterm").read_text()
+    assert "elastic-timer: expired scopes (pytest was ended)" in stderr
+    line = scope_line("test_stubborn::call", "0.3", "terminated")
+    assert any(line.match(text) for text in stderr.splitlines()), stderr
+    assert f"JSON report written to {pytester.path / REPORT_NAME}" in stderr
+    assert session.stderr.count("elastic-timer: expired scopes (pytest was ended)") == 1
+
+
+@pytest.mark.xfail(
+    reason="BUG: the JSON report written before the watchdog ends pytest does not follow "
+    "the report schema: its session lacks the required 'ended', 'workers' and 'root_died' "
+    "(watchdog.py _escalate calls write_report() before finish() fills them in), so a "
+    "caller reading it when pytest exits cannot tell that pytest was ended",
+    strict=True,
+)
+def test_report_written_before_pytest_is_ended_follows_the_schema(
+    pytester: pytest.Pytester,
+) -> None:
+    import jsonschema
+
+    from pytest_elastic_timer import ci_reports
+
+    stubborn(pytester)
+    session = run(pytester, "--elastic-timer-grace=0.3")
+    assert "INTERNALERROR" not in session.text
+    early = json.loads((pytester.path / "report-at-sigterm.json").read_text())
+    assert early["session"].get("root_died") is True
+    jsonschema.Draft202012Validator(ci_reports.report_schema()).validate(early)
+
+
+@pytest.mark.xfail(
+    reason="BUG: when pytest ignores SIGTERM and is killed, the watchdog's terminal summary "
+    "says 'terminated' while the JSON report says 'killed': the summary is printed before "
+    "the SIGTERM with the provisional record, and the final one is never printed "
+    "(watchdog.py _print_summary skips when the record count is unchanged, yet the final "
+    "record replaced the provisional one)",
+    strict=True,
+)
+def test_summary_of_a_killed_pytest_says_killed(pytester: pytest.Pytester) -> None:
+    stubborn(pytester, handler="signal.SIG_IGN")
+    session = run(pytester, "--elastic-timer-grace=0.3")
+    assert "INTERNALERROR" not in session.text
+    assert session.result.ret == -signal.SIGKILL
+    assert session.record("test_stubborn::call")["action"] == "killed"
+    line = scope_line("test_stubborn::call", "0.3", "killed")
+    assert any(line.match(text) for text in session.stderr.splitlines()), session.stderr
 
 
 # -- the watchdog is gone after every session, also after kill -9 of pytest ----------
@@ -756,25 +901,17 @@ def test_garbage_is_dropped_and_counted(pytester: pytest.Pytester) -> None:
     assert session.report["session"]["dropped_messages"] >= len(payloads)
 
 
-@pytest.mark.xfail(
-    reason="BUG: deeply nested JSON makes wire.decode raise RecursionError, which "
-    "Watchdog._readable does not catch: one datagram kills the watchdog",
-    strict=True,
-)
 def test_deeply_nested_message_does_not_kill_the_watchdog(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_garbage=GARBAGE_SENDER.format(payloads=[b"[" * 100_000]))
     session = run(pytester)
     assert "INTERNALERROR" not in session.text
     assert "RecursionError" not in session.stderr
+    session.assert_clean()
     session.result.assert_outcomes(passed=1, failed=1)
     session.assert_expired("test_hang_after_garbage", "test_hang_after_garbage::call", 0.3)
+    assert session.report["session"]["dropped_messages"] >= 1
 
 
-@pytest.mark.xfail(
-    reason="BUG: a scope with a budget over ~24.8 days (2**31 ms) makes the watchdog's "
-    "selector.select() raise OverflowError: the watchdog dies (watchdog.py run_once)",
-    strict=True,
-)
 def test_huge_budget_does_not_kill_the_watchdog(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         test_huge="""
@@ -797,5 +934,6 @@ def test_huge_budget_does_not_kill_the_watchdog(pytester: pytest.Pytester) -> No
     session = run(pytester)
     assert "INTERNALERROR" not in session.text
     assert "OverflowError" not in session.stderr
+    session.assert_clean()
     session.result.assert_outcomes(passed=1, failed=1)
     session.assert_expired("test_later", "test_later::call", 0.3)

@@ -14,6 +14,7 @@ import pickle
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 
 import pytest
@@ -39,9 +40,11 @@ def _sleep_until_expired(limit: float = 5.0) -> None:
 
 
 def _base() -> str:
-    """The path of the scope this test runs in (the outer plugin's call scope)."""
-    current = et.current_scope()
-    return current.path if current is not None else ""
+    """The path scopes entered here nest below: the outer plugin's call phase (a scope
+    when the test has a budget, a name only when it has none), or "" without it."""
+    with et.expires(None, scope="probe") as probe:
+        pass
+    return probe.path[: -len("/probe")] if probe.path != "probe" else ""
 
 
 def _line_of(text: str) -> int:
@@ -53,6 +56,20 @@ def _line_of(text: str) -> int:
 
 def _join(*parts: str) -> str:
     return "/".join(p for p in parts if p)
+
+
+def _open_in_table(*timers: et.TimerRequest) -> list[str]:
+    """The paths of ``timers`` that still have an open slot in this process's table
+    (what the watchdog would enforce)."""
+    state = scopes.process_state()
+    paths = {t.path for t in timers}
+    return [p for s in state.table.open_slots() if (p := state.table.string(s.path_sid)) in paths]
+
+
+def _closed_with(outer: et.TimerRequest, *inner: et.TimerRequest) -> str:
+    """The start of the warning for ``outer`` ending while ``inner`` were still open."""
+    names = ", ".join(repr(t.path) for t in inner)
+    return f"scope {outer.path!r} ended while {names} inside it were still open"
 
 
 # -- ScopeExpired ------------------------------------------------------------------
@@ -154,6 +171,8 @@ def test_reschedule_moves_the_deadline_earlier() -> None:
         _sleep_until_expired()
     assert info.value.scope.endswith("moved")
     assert 0.2 * _scale() - EARLY <= info.value.elapsed < 3
+    # The budget reported is the moved one: from entering the scope to its new deadline.
+    assert info.value.budget == pytest.approx(0.2 * _scale(), abs=0.01)
 
 
 def test_extend_moves_the_deadline_later() -> None:
@@ -167,6 +186,8 @@ def test_extend_moves_the_deadline_later() -> None:
         timer.extend(0.1)
         _sleep_until_expired()
     assert 0.2 * _scale() - EARLY <= info.value.elapsed < 3
+    # The budget reported includes the extension (rounded to microseconds).
+    assert info.value.budget == pytest.approx(0.2 * _scale(), abs=1e-6)
 
 
 def test_reschedule_and_extend_before_acquire_set_the_budget() -> None:
@@ -221,6 +242,7 @@ def test_expires_in_a_contextmanager_helper_names_the_helper_line() -> None:
 
 def test_nested_paths_and_current_scope() -> None:
     base = _base()
+    around = et.current_scope()  # the test's phase scope, or None for a phase without one
     with et.expires(5, scope="epoch") as epoch:
         assert et.current_scope() is epoch
         with et.expires(5, scope="allreduce") as allreduce:
@@ -228,19 +250,99 @@ def test_nested_paths_and_current_scope() -> None:
             assert allreduce.path == _join(base, "epoch", "allreduce")
         assert et.current_scope() is epoch
     assert epoch.path == _join(base, "epoch")
-    assert (et.current_scope().path if et.current_scope() else "") == base
+    assert et.current_scope() is around
+    assert _base() == base
 
 
-def test_release_out_of_order_keeps_the_inner_scope_open() -> None:
+def test_release_out_of_order_closes_the_inner_scopes() -> None:
+    """Trio's rule: a scope that ends while scopes it encloses are still open closes them
+    too, with a RuntimeWarning naming them; releasing one of them later is a no-op."""
+    base = _base()
+    outer = et.TimerRequest(5, scope="outer")
+    middle = et.TimerRequest(0.5, scope="middle")
+    inner = et.TimerRequest(None, scope="inner")
+    outer.acquire()
+    middle.acquire()
+    inner.acquire()
+    assert _open_in_table(outer, middle) == [outer.path, middle.path]
+    with pytest.warns(RuntimeWarning) as caught:
+        outer.release()
+    assert len(caught) == 1
+    assert str(caught[0].message).startswith(_closed_with(outer, middle, inner))
+    assert not (outer.active or middle.active or inner.active)
+    assert _base() == base
+    assert _open_in_table(outer, middle, inner) == []
+    # Closed means closed: the watchdog never interrupts for the inner scope's deadline.
+    time.sleep(max(0.0, middle.deadline - time.monotonic()) + 0.2)
+    assert not middle.expired()
+    # Releasing the scopes closed with it is fine, once, and silent.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        inner.release()
+        middle.release()
+    for timer in (outer, middle, inner):
+        with pytest.raises(RuntimeError, match="not active"):
+            timer.release()
+    assert _base() == base
+
+
+def test_exit_of_a_with_block_closes_scopes_acquired_inside() -> None:
+    base = _base()
+    inner = et.TimerRequest(0.5, scope="forgotten")
+    with pytest.warns(RuntimeWarning) as caught, et.TimerRequest(5, scope="block") as block:
+        inner.acquire()  # never released
+    assert len(caught) == 1
+    assert str(caught[0].message).startswith(_closed_with(block, inner))
+    assert not inner.active and _base() == base
+    assert _open_in_table(block, inner) == []
+    time.sleep(max(0.0, inner.deadline - time.monotonic()) + 0.2)  # past it: no interrupt
+    inner.release()  # the no-op
+
+
+@pytest.mark.xfail(
+    reason="BUG: the RuntimeWarning of a scope closed with its enclosing one points at "
+    "pytest_elastic_timer/scopes.py, not at the caller: _close_above warns with "
+    "stacklevel=3, which since _close_above was split out of _close_abandoned lands in "
+    "__exit__ for a with statement (and in release() for release()), so warning filters "
+    "by module and the warnings summary name the package instead of the user's line",
+    strict=True,
+)
+def test_out_of_order_release_warning_points_at_the_caller() -> None:
     outer = et.TimerRequest(5, scope="outer")
     inner = et.TimerRequest(5, scope="inner")
     outer.acquire()
     inner.acquire()
-    outer.release()
-    assert inner.active and not outer.active
-    assert et.current_scope() is inner
+    with pytest.warns(RuntimeWarning) as caught:
+        outer.release()  # released-out-of-order
     inner.release()
-    assert not inner.active
+    block = et.TimerRequest(5, scope="block")
+    with pytest.warns(RuntimeWarning) as caught_in_with, block:  # block-with-a-forgotten-scope
+        inner.acquire()
+    inner.release()
+    assert [(w.filename, w.lineno) for w in (*caught, *caught_in_with)] == [
+        (__file__, _line_of("# released-out-of-order")),
+        (__file__, _line_of("# block-with-a-forgotten-scope")),
+    ]
+
+
+@pytest.mark.xfail(
+    reason="BUG: a scope object closed with its enclosing scope keeps _abandoned=True when "
+    "it is acquired again (scopes.py __enter__ does not reset it), so after that use's "
+    "release a second release is silently accepted instead of raising 'not active'",
+    strict=True,
+)
+def test_scope_closed_with_its_enclosing_one_can_be_used_again() -> None:
+    outer = et.TimerRequest(5, scope="outer")
+    inner = et.TimerRequest(5, scope="inner")
+    outer.acquire()
+    inner.acquire()
+    with pytest.warns(RuntimeWarning):
+        outer.release()
+    inner.acquire()  # used again, without the no-op release first
+    assert inner.active
+    inner.release()
+    with pytest.raises(RuntimeError, match="not active"):
+        inner.release()
 
 
 def test_expiry_in_a_thread() -> None:
@@ -339,38 +441,56 @@ budgets_strategy = st.lists(
 @given(budgets=budgets_strategy, order=st.permutations(range(6)))
 def test_nested_deadlines_and_paths(budgets: list[float | None], order: list[int]) -> None:
     """Every scope's deadline is its entry time plus its scaled budget on the monotonic
-    clock, paths nest, and any release order leaves nothing open."""
+    clock, paths nest, and any release order leaves nothing open: a scope released while
+    scopes it encloses are open closes them with a warning naming them, and releasing
+    those later is a silent no-op."""
     # Everything is drawn before the first scope is entered: a draw that fails must not
     # leave scopes open.
     release_order = [i for i in order if i < len(budgets)]
     base = _base()
     scale = _scale()
     timers: list[et.TimerRequest] = []
-    try:
-        for index, budget in enumerate(budgets):
-            timer = et.TimerRequest(budget, scope=f"s{index}")
-            before = time.monotonic()
-            timer.acquire()
-            after = time.monotonic()
-            timers.append(timer)
-            assert timer.path == _join(base, *(f"s{i}" for i in range(index + 1)))
-            assert et.current_scope() is timer
-            if budget is None:
-                assert timer.deadline == math.inf
-                assert timer.expires() == math.inf
-            else:
-                assert before + budget * scale <= timer.deadline <= after + budget * scale
-                assert 0 < timer.expires() <= budget * scale + 1e-9
-        in_force = min(t.deadline for t in timers)
-        finite = [b for b in budgets if b is not None]
-        assert (in_force == math.inf) == (not finite)
-        assert not any(t.expired() for t in timers)
-    finally:
-        for index in release_order:
-            if index < len(timers):
-                timers[index].release()
+    expected: list[str] = []  # the warnings the release order must give, in order
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            for index, budget in enumerate(budgets):
+                timer = et.TimerRequest(budget, scope=f"s{index}")
+                before = time.monotonic()
+                timer.acquire()
+                after = time.monotonic()
+                timers.append(timer)
+                assert timer.path == _join(base, *(f"s{i}" for i in range(index + 1)))
+                assert et.current_scope() is timer
+                if budget is None:
+                    assert timer.deadline == math.inf
+                    assert timer.expires() == math.inf
+                else:
+                    assert before + budget * scale <= timer.deadline <= after + budget * scale
+                    assert 0 < timer.expires() <= budget * scale + 1e-9
+            in_force = min(t.deadline for t in timers)
+            finite = [b for b in budgets if b is not None]
+            assert (in_force == math.inf) == (not finite)
+            assert not any(t.expired() for t in timers)
+        finally:
+            still_open = list(range(len(timers)))  # the stack, as the rule moves it
+            for index in release_order:
+                if index >= len(timers):
+                    continue
+                if index in still_open:
+                    at = still_open.index(index)
+                    enclosed = [timers[i] for i in still_open[at + 1 :]]
+                    if enclosed:
+                        expected.append(_closed_with(timers[index], *enclosed))
+                    del still_open[at:]
+                timers[index].release()  # never an error, whatever the order
+    warned = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(warned) == len(expected), warned
+    for message, start in zip(warned, expected, strict=True):
+        assert message.startswith(start), (message, start)
     assert not any(t.active for t in timers)
     assert _base() == base
+    assert _open_in_table(*timers) == []
 
 
 short_budgets = st.lists(
@@ -429,6 +549,7 @@ def test_earliest_deadline_in_force_outermost_expired_credited(
     assert len(credited) == 1
     assert credited[0] in {outermost_expired(m) for m in moments}
     winner = timers[credited[0]]
-    assert info.value.budget == pytest.approx(winner.after * _scale())
+    # The budget is the deadline's distance from the entry, rounded to microseconds.
+    assert info.value.budget == pytest.approx(winner.after * _scale(), abs=1e-6)
     assert info.value.elapsed >= info.value.budget - EARLY
     assert all(t.expired() for t in timers[credited[0] :])
