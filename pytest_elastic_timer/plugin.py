@@ -263,7 +263,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     if controller:
         # Workers enforce the same budget on themselves; the controller waits for
         # their reports first, so it gets the ladder's time on top.
-        budget += state.settings.grace + 5.0
+        # Past the workers' own ladder (grace + the session's end grace + kill time),
+        # so that a hung worker is named by its own expiry first.
+        budget += 2 * state.settings.grace + SESSION_END_GRACE + 5.0
     state.session = session
     # After the interrupt the session still has to end (summary, reports): that gets
     # a few seconds on top of the usual grace before the watchdog steps in.
@@ -305,6 +307,18 @@ def pytest_collection(session: pytest.Session) -> Generator[None, None, None]:
 def pytest_sessionfinish(session: pytest.Session) -> Generator[None, None, None]:
     scopes.process_state().set_phase("sessionfinish")
     state = session.config.stash.get(SESSION, None)
+    watchdog = state.watchdog if state is not None else None
+    # Died after the last per-test look (in the last test, say): still say so.
+    if (
+        state is not None
+        and watchdog is not None
+        and not state.lost_watchdog
+        and not watchdog.alive()
+    ):
+        state.lost_watchdog = (
+            f"the watchdog (pid {watchdog.pid}) died during the session; scopes "
+            "were enforced in-process from then on"
+        )
     if state is not None and state.lost_watchdog and session.exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED  # the guarantees did not hold
     return (yield)
@@ -633,14 +647,27 @@ def elastic_timer_server(request: pytest.FixtureRequest) -> ElasticTimerServer:
 
 # -- reporting -----------------------------------------------------------------------
 def _records(config: pytest.Config) -> list[records.ExpiryRecord]:
+    """The watchdog's records so far (after a sync); also in an xdist worker, which
+    finds them beside the watchdog's socket."""
     state = config.stash.get(SESSION, None)
-    if state is None or state.watchdog is None:
+    if state is None:
         return []
-    scopes.process_state().request("sync")
-    return records.read_records(state.watchdog.records_path)
+    process = scopes.process_state()
+    if state.watchdog is not None:
+        path = state.watchdog.records_path
+    elif process.sock is not None and process.address:
+        path = os.path.join(os.path.dirname(process.address), "records.jsonl")
+    else:
+        return []
+    process.request("sync")
+    return records.read_records(path)
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    state = config.stash.get(SESSION, None)
+    if state is not None and state.lost_watchdog:
+        terminalreporter.section("elastic-timer: watchdog lost", sep="=", red=True)
+        terminalreporter.write_line(state.lost_watchdog, red=True)
     found = _records(config)
     if not found:
         return
@@ -648,6 +675,26 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     for record in found:
         terminalreporter.write_line(
             records.format_record(record, with_stack=record.action != "interrupted")
+        )
+    _restart_limit_line(terminalreporter, config, found)
+
+
+def _restart_limit_line(
+    terminalreporter: Any, config: pytest.Config, found: list[records.ExpiryRecord]
+) -> None:
+    """Say when the watchdog's terminations of workers used up --max-worker-restart."""
+    if hasattr(config, "workerinput") or not _uses_xdist(config):
+        return
+    ended = sorted({r.worker for r in found if r.worker and r.action in ("terminated", "killed")})
+    limit = getattr(config.option, "maxworkerrestart", None)
+    if not ended or limit is None:
+        return
+    if len(ended) > int(limit):
+        terminalreporter.write_line(
+            f"elastic-timer: the watchdog ended {len(ended)} worker(s) ({', '.join(ended)}) "
+            f"for expired scopes; --max-worker-restart={limit} stopped the session early",
+            red=True,
+            bold=True,
         )
 
 

@@ -270,8 +270,8 @@ class TimerRequest:
         self.path = path
         self._state = state
         self._stack = stack
-        if self._delivered or self._cancelled:  # a scope object used again
-            self._delivered = self._cancelled = False
+        if self._delivered or self._cancelled or self._abandoned:  # a scope used again
+            self._delivered = self._cancelled = self._abandoned = False
         # Inside a running event loop the expiry cancels the task (asyncio.timeout's
         # way) instead of raising wherever the loop happens to be.
         if code.co_flags & _CO_ASYNC:
@@ -534,6 +534,19 @@ def _close_abandoned(stack: _Stack, scope: TimerRequest) -> None:
     del stack[index:]
 
 
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside this
+    package (the user's ``with`` or ``release()`` line, wherever we were called)."""
+    frame: FrameType | None = sys._getframe(1)
+    level = 1
+    while frame is not None and os.path.dirname(frame.f_code.co_filename) == _PACKAGE_DIR:
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def _close_above(stack: _Stack, depth: int, ending: str) -> None:
     """Close the scopes of ``stack`` from ``depth`` up, which ``ending`` outlived."""
     abandoned = stack[depth:]
@@ -551,7 +564,7 @@ def _close_above(stack: _Stack, depth: int, ending: str) -> None:
         f"scope {ending!r} ended while {names} inside it were still open; "
         "they were closed with it (release every scope you acquire)",
         RuntimeWarning,
-        stacklevel=3,
+        stacklevel=_user_stacklevel(),
     )
 
 
@@ -564,7 +577,7 @@ def _paused(state: client.ProcessState, now: float) -> float:
 def _budget_of(scope: TimerRequest) -> float:
     """The scope's budget as entered, moved by reschedule() or extend() since."""
     budget = scope._deadline - scope._start
-    return round(budget, 6) if budget < _INF else 0.0
+    return round(budget, 3) if budget < _INF else 0.0  # as the watchdog's records say
 
 
 def _is_our_cancel(exc: BaseException | None, scope: TimerRequest) -> bool:

@@ -50,6 +50,9 @@ def _pytest_elastic_timer_startup():
 
         def register():
             num = int(signum)
+            done = getattr(sys, "_pytest_elastic_timer_dump", None)
+            if done is not None and done[2] == os.getpid():
+                return  # a nested session's copy of this file ran first: it wins
             if signal.getsignal(num) not in (signal.SIG_DFL, None):
                 return  # never replace a handler someone else installed
             try:
@@ -57,7 +60,7 @@ def _pytest_elastic_timer_startup():
                 faulthandler.register(num, file=out, all_threads=True, chain=False)
             except (OSError, ValueError, RuntimeError):
                 return
-            sys._pytest_elastic_timer_dump = (num, out)
+            sys._pytest_elastic_timer_dump = (num, out, os.getpid())
 
         register()
         os.register_at_fork(after_in_child=register)

@@ -44,8 +44,8 @@ SOCKET_NAME = "watchdog.sock"
 RECORDS_NAME = "records.jsonl"
 _UCRED = struct.Struct("3i")
 _CHECK_EVERY = 0.01  # how often a scope in its grace period is looked at
-_RECHECK_AFTER = 0.05
-_LONGEST_WAIT = 3600.0  # second look after a scan, in case a slot store was not yet visible
+_RECHECK_AFTER = 0.05  # second look after a scan, in case a slot store was not yet visible
+_LONGEST_WAIT = 3600.0  # select() refuses timeouts of about 25 days and more
 
 
 @dataclass
@@ -146,7 +146,8 @@ class Watchdog:
         self.on_finish: list[Callable[[Watchdog], None]] = []
         self.junit_fallback: str | None = None  # JUnit XML written if pytest dies first
         self.trace = False  # clients record every scope into trace-<pid>-* files
-        self.summary_printed = 0  # records already printed because pytest was ended
+        # (pid, serial, action) of records already printed because pytest was ended
+        self.summary_printed: set[tuple[int, int, str]] = set()
         sync_server.install(self)
         self.file_timers = file_timer.FileTimerIntake(self)
         self.sel.register(self.file_timers.read_fd, selectors.EVENT_READ, self.file_timers.readable)
@@ -363,6 +364,14 @@ class Watchdog:
             self.schedule_scan(owner, now + _RECHECK_AFTER, recheck=False)
 
     def _expire(self, owner: Owner, slot: tbl.SlotView) -> None:
+        # A second, separate read: the scan's copy of the table has no load order, so
+        # only act on a slot that still holds this entry and is still past its deadline.
+        again = owner.table.read_slot(slot.index)
+        if again is None or again.serial != slot.serial or again.deadline > time.monotonic():
+            if again is not None:
+                self.schedule_scan(owner, again.deadline)
+            return
+        slot = again
         table = owner.table
         expiry = Expiry(
             slot=slot.index,
@@ -545,14 +554,14 @@ class Watchdog:
         proctree.send([owner.proc], signum)
         size, stable_since, give_up = offset, time.monotonic(), time.monotonic() + 0.3
         while time.monotonic() < give_up:
-            yield 0.005
+            yield 0.002
             try:
                 now_size = os.path.getsize(owner.dump_path)
             except OSError:
                 return ""
             if now_size != size:
                 size, stable_since = now_size, time.monotonic()
-            elif size > offset and time.monotonic() - stable_since > 0.02:
+            elif size > offset and time.monotonic() - stable_since > 0.008:
                 break
         return _read_from(owner.dump_path, offset)
 
@@ -614,14 +623,6 @@ class Watchdog:
         while any(o.expiries for o in self.all_owners()) and time.monotonic() < give_up:
             self.run_once(max_wait=0.02)
         self._end_strays()
-        self.session["ended"] = time.time()
-        self.session["dropped_messages"] = self.dropped
-        # Workers name themselves in their table after the hello: read them now.
-        self.workers.update(
-            w for o in self.owners.values() if (w := o.header_text(tbl.H_WORKER_SID))
-        )
-        self.session["workers"] = sorted(self.workers)
-        self.session["root_died"] = self.root_died
         self.write_report()
         for callback in self.on_finish:
             try:
@@ -644,6 +645,15 @@ class Watchdog:
         shutil.rmtree(self.directory, ignore_errors=True)
 
     def write_report(self) -> None:
+        """Write the JSON report with the session facts as they stand now."""
+        self.session["ended"] = time.time()
+        self.session["dropped_messages"] = self.dropped
+        # Workers name themselves in their table after the hello: read them now.
+        self.workers.update(
+            w for o in self.owners.values() if (w := o.header_text(tbl.H_WORKER_SID))
+        )
+        self.session["workers"] = sorted(self.workers)
+        self.session["root_died"] = self.root_died
         if not self.report_path:
             return
         try:
@@ -669,9 +679,12 @@ class Watchdog:
         proctree.wait_gone(survivors, 2.0)
 
     def _print_summary(self) -> None:
-        if self.summary_printed >= len(self.records):
+        # Print again only when something changed (a new record, or a preliminary one
+        # superseded: "terminated" became "killed").
+        shown = {(r.pid, r.serial, r.action) for r in self.records}
+        if shown <= self.summary_printed:
             return
-        self.summary_printed = len(self.records)
+        self.summary_printed = shown
         out = sys.stderr
         try:
             out.write(

@@ -107,6 +107,7 @@ def _mark_done(sched: Any, nodeid: str) -> None:
     workqueue = getattr(sched, "workqueue", None)
     if not isinstance(workqueue, dict):
         return
+    _keep_replacements_busy(sched)
     for scope, unit in list(workqueue.items()):
         if isinstance(unit, dict) and nodeid in unit:
             unit[nodeid] = True
@@ -114,6 +115,29 @@ def _mark_done(sched: Any, nodeid: str) -> None:
                 # A unit with nothing left to run would be handed to a worker as an
                 # empty batch and keep the session from ever finishing.
                 del workqueue[scope]
+
+
+def _keep_replacements_busy(sched: Any) -> None:
+    """A replacement worker is given one work unit; if that unit has a single test
+    (our marking shrinks re-queued units), the worker holds it until it gets a next test
+    or shutdown, and nothing ever sends either. Look once more after each reschedule:
+    a second unit, or shutdown when none is left."""
+    reschedule = getattr(sched, "_reschedule", None)
+    pending_of = getattr(sched, "_pending_of", None)
+    assigned = getattr(sched, "assigned_work", None)
+    if reschedule is None or pending_of is None or assigned is None:
+        return
+    if getattr(reschedule, "_elastic_timer", False):
+        return
+
+    def twice(node: Any) -> None:
+        reschedule(node)
+        work = assigned.get(node)
+        if work is not None and not node.shutting_down and pending_of(work) < 2:
+            reschedule(node)
+
+    twice._elastic_timer = True  # type: ignore[attr-defined]
+    sched._reschedule = twice
 
 
 # -- worker --------------------------------------------------------------------------
