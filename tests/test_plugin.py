@@ -478,15 +478,6 @@ def test_rescheduled_scope_reports_its_moved_budget(pytester: pytest.Pytester) -
         assert budget == pytest.approx(session.record(scope)["budget"], abs=0.0006)
 
 
-@pytest.mark.xfail(
-    reason="BUG: after reschedule() an expired scope's budget differs between the exception "
-    "and the report: ScopeExpired.budget (and so the failure's first line) is rounded to "
-    "microseconds (scopes.py _budget_of, round(budget, 6): 'budget 0.300256s', the moment "
-    "between entering and rescheduling included) while the watchdog's record, the "
-    "terminal summary and the JSON report round to milliseconds (watchdog.py _record, "
-    "round(budget, 3): 'budget 0.3s')",
-    strict=True,
-)
 def test_rescheduled_scope_budget_is_the_same_everywhere(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_moved=RESCHEDULED)
     session = run(pytester)
@@ -624,13 +615,6 @@ def test_report_is_complete_when_the_watchdog_ends_pytest(pytester: pytest.Pytes
     assert session.stderr.count("elastic-timer: expired scopes (pytest was ended)") == 1
 
 
-@pytest.mark.xfail(
-    reason="BUG: the JSON report written before the watchdog ends pytest does not follow "
-    "the report schema: its session lacks the required 'ended', 'workers' and 'root_died' "
-    "(watchdog.py _escalate calls write_report() before finish() fills them in), so a "
-    "caller reading it when pytest exits cannot tell that pytest was ended",
-    strict=True,
-)
 def test_report_written_before_pytest_is_ended_follows_the_schema(
     pytester: pytest.Pytester,
 ) -> None:
@@ -646,14 +630,6 @@ def test_report_written_before_pytest_is_ended_follows_the_schema(
     jsonschema.Draft202012Validator(ci_reports.report_schema()).validate(early)
 
 
-@pytest.mark.xfail(
-    reason="BUG: when pytest ignores SIGTERM and is killed, the watchdog's terminal summary "
-    "says 'terminated' while the JSON report says 'killed': the summary is printed before "
-    "the SIGTERM with the provisional record, and the final one is never printed "
-    "(watchdog.py _print_summary skips when the record count is unchanged, yet the final "
-    "record replaced the provisional one)",
-    strict=True,
-)
 def test_summary_of_a_killed_pytest_says_killed(pytester: pytest.Pytester) -> None:
     stubborn(pytester, handler="signal.SIG_IGN")
     session = run(pytester, "--elastic-timer-grace=0.3")
