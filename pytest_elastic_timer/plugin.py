@@ -200,6 +200,9 @@ def pytest_configure(config: pytest.Config) -> None:
         leaks.become_subreaper()
     if hasattr(config, "workerinput"):
         xdist_support.configure_worker(config)
+        # PYTEST_CURRENT_TEST inherited from an outer session (a pytest run by a test)
+        # names a test of that session, not of this one.
+        scopes.process_state().set_nodeid("")
         return  # an xdist worker: the controller's watchdog serves it
     try:
         handle = launcher.start(
@@ -239,7 +242,7 @@ def pytest_configure(config: pytest.Config) -> None:
         state.previous_env[name] = os.environ.get(name)
         os.environ[name] = value
     scopes.reattach()
-    scopes.process_state()  # register the pytest process itself now
+    scopes.process_state().set_nodeid("")  # register now; not the outer session's test
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -60,8 +60,14 @@ def wait_for_record(
     give_up = time.monotonic() + patience
     while True:
         answer = scopes.process_state().request("sync")
-        for record in reversed(records.read_records(records_path)):
-            if record.nodeid == nodeid and record.worker == worker:
+        found = [r for r in records.read_records(records_path) if r.worker == worker]
+        for record in reversed(found):
+            if record.nodeid == nodeid:
+                return record
+        # A scope entered outside every test (the session's, at sessionstart) names no
+        # test: the worker's hard ending is still what crashed it.
+        for record in reversed(found):
+            if record.action in HARD_ACTIONS and record.nodeid in ("", nodeid):
                 return record
         pending = answer.get("pending", [])
         busy = any(p.get("worker") == worker for p in pending if isinstance(p, dict))
