@@ -1,0 +1,480 @@
+"""Distributed tests: scopes in spawned ranks, process trees, torch compatibility (issue 4).
+
+Real torch, real gloo: rank 0 hangs in ``all_reduce`` because rank 1 never joins (it
+sleeps after ``init_process_group``; a rank that exits would make gloo fail instead of
+hang). Torch start-up is slow (seconds per rank import), so the rank tests share inner
+sessions: one module with the three ways to time a collective, run once without xdist
+and once with ``-n 2``, and one ``MultiProcessTestCase`` session. Ranks write
+``pids/<test>-<rank>`` (pid and the time they entered the collective) so the outer test
+can find rank 0's pid in the report and prove that no rank outlived its test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+from typing import Any
+
+import pytest
+
+from pytest_elastic_timer import startup
+
+pytest.importorskip("torch", reason="the distributed tests need torch (gloo backend)")
+pytest.importorskip("torch.distributed", reason="torch without torch.distributed")
+
+from helpers import Session, run, scope_line, wait_gone
+
+XDIST = (
+    *("-p", "no:cacheprovider", "-p", "no:asyncio", "-p", "no:hypothesispytest"),
+    *("-p", "no:timeout", "-n", "2"),
+)
+GRACE = 1.0
+HARD = "(?:terminated|killed)"
+TORCH_TIMEOUT = 180  # a pytester subprocess running torch ranks on a loaded machine
+TORCH_BUDGET = 300  # the outer test's own budget (this suite runs under the plugin too)
+
+RANKS = '''
+import multiprocessing
+import os
+import socket
+import time
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.elastic.timer as timer
+import torch.multiprocessing as tmp
+
+import pytest_elastic_timer as et
+
+PIDS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pids")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def join_group(rank, world, port, test):
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    os.makedirs(PIDS, exist_ok=True)
+    with open(os.path.join(PIDS, f"{test}-{rank}"), "w") as f:
+        f.write(f"{os.getpid()} {time.time()}")
+    if rank == 1:
+        time.sleep(3600)  # never joins the collective, and does not exit either
+
+
+def rank_expires(rank, world, port):
+    et.set_label(f"rank {rank}")
+    join_group(rank, world, port, "test_expires")
+    with et.expires(after=2, scope="allreduce"):
+        dist.all_reduce(torch.ones(4))
+
+
+def rank_torch_expires(rank, world, port):
+    et.configure_torch()
+    join_group(rank, world, port, "test_torch_expires")
+    with timer.expires(after=2, scope="allreduce"):
+        dist.all_reduce(torch.ones(4))
+
+
+def rank_file_timer(rank, world, port):
+    timer.configure(timer.FileTimerClient(os.environ["TORCHELASTIC_TIMER_FILE"]))
+    join_group(rank, world, port, "test_file_timer")
+    with timer.expires(after=2, scope="allreduce"):
+        dist.all_reduce(torch.ones(4))
+
+
+def launch(target, world=2):
+    """Like a launcher: RANK in each rank's environment from its start (a file-timer
+    process is labelled from it); when a rank fails, end the others and raise."""
+    ctx = multiprocessing.get_context("spawn")
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        os.environ["RANK"] = str(rank)
+        try:
+            proc = ctx.Process(target=target, args=(rank, world, port))
+            proc.start()
+        finally:
+            del os.environ["RANK"]
+        procs.append(proc)
+    try:
+        while all(p.exitcode in (None, 0) for p in procs):
+            if all(p.exitcode == 0 for p in procs):
+                return
+            time.sleep(0.05)
+        failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+        raise RuntimeError(f"rank(s) failed: {failed}")
+    finally:
+        for proc in procs:
+            if proc.exitcode is None:
+                proc.terminate()
+        for proc in procs:
+            proc.join(10)
+
+
+@pytest.fixture(autouse=True)
+def no_rank_left(request):
+    """After the test: which of its ranks still run (written to pids/alive-<test>)."""
+    yield
+    ended = time.time()
+    name = request.node.name
+    pids = []
+    for rank in (0, 1):
+        path = os.path.join(PIDS, f"{name}-{rank}")
+        if os.path.exists(path):
+            pids.append(int(open(path).read().split()[0]))
+    alive = []
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            proc.wait(10)
+        except psutil.NoSuchProcess:
+            continue
+        except psutil.TimeoutExpired:
+            alive.append(pid)
+    with open(os.path.join(PIDS, f"alive-{name}"), "w") as f:
+        f.write(" ".join(map(str, alive)) + f"\\n{ended}\\n")
+
+
+@pytest.mark.expires(150)
+def test_expires():
+    tmp.spawn(rank_expires, args=(2, free_port()), nprocs=2, join=True)
+
+
+@pytest.mark.expires(150)
+def test_torch_expires():
+    launch(rank_torch_expires)
+
+
+@pytest.mark.expires(150)
+def test_file_timer():
+    launch(rank_file_timer)
+'''
+RANK_TESTS = ("test_expires", "test_torch_expires", "test_file_timer")
+
+MULTI_PROCESS_TEST_CASE = """
+import time
+
+import torch
+import torch.distributed as dist
+from torch.testing._internal.common_distributed import MultiProcessTestCase
+
+
+class StuckRanks(MultiProcessTestCase):
+    @property
+    def world_size(self):
+        return 2
+
+    def setUp(self):
+        super().setUp()
+        self._spawn_processes()
+
+    def test_allreduce(self):
+        dist.init_process_group(
+            "gloo", init_method=f"file://{self.file_name}", rank=self.rank, world_size=2
+        )
+        if self.rank == 1:
+            time.sleep(3600)  # never joins the collective
+        dist.all_reduce(torch.ones(4))
+"""
+
+
+@pytest.fixture(autouse=True)
+def not_an_xdist_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inner sessions do not inherit this suite's own xdist worker id (under -n)."""
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    monkeypatch.delenv("PYTEST_XDIST_TESTRUNUID", raising=False)
+
+
+def _is_session_startup_dir(path: str) -> bool:
+    """Whether ``path`` holds the start-up hook a pytest-elastic-timer session wrote."""
+    try:
+        with open(os.path.join(path, "sitecustomize.py"), encoding="utf-8") as f:
+            return "Written by pytest-elastic-timer" in f.read(200)
+    except OSError:
+        return False
+
+
+@pytest.fixture(autouse=True)
+def top_level_pythonpath(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Start inner sessions as from a user's shell: without the start-up hook of the
+    session running this suite on PYTHONPATH (see
+    test_nested_session_child_stack_in_failure_sections for what it does there)."""
+    entries = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    kept = [p for p in entries if p and not _is_session_startup_dir(p)]
+    if kept:
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(kept))
+    else:
+        monkeypatch.delenv("PYTHONPATH", raising=False)
+
+
+def failure_block(session: Session, name: str) -> str:
+    """The text of test ``name``'s failure entry, up to the next entry."""
+    lines = session.stdout.splitlines()
+    head = re.compile(rf"^_+ (ERROR at \w+ of )?{re.escape(name)} _+$")
+    start = next((i for i, line in enumerate(lines) if head.match(line)), None)
+    assert start is not None, f"no failure entry for {name!r} in:\n{session.stdout}"
+    end = start + 1
+    while end < len(lines) and not re.match(r"^(_{3,} \S.* _{3,}|={3,} .* ={3,})$", lines[end]):
+        end += 1
+    return "\n".join(lines[start:end])
+
+
+def sections(block: str, title: str) -> list[str]:
+    """The texts of every report section in ``block`` whose title starts with ``title``."""
+    lines = block.splitlines()
+    head = re.compile(rf"^-+ {re.escape(title)}.* -+$")
+    found = []
+    for start, line in enumerate(lines):
+        if head.match(line):
+            end = start + 1
+            while end < len(lines) and not re.match(r"^-{3,} .* -{3,}$", lines[end]):
+                end += 1
+            found.append("\n".join(lines[start + 1 : end]))
+    return found
+
+
+def lead(session: Session, name: str) -> str:
+    """The failure's first line, after xdist's ``[gw0] linux -- Python ...`` if any."""
+    lines = failure_block(session, name).splitlines()[1:]
+    return next((s for s in lines if s.strip() and not re.match(r"^\[gw\d+\] ", s)), "")
+
+
+def rank_files(pytester: pytest.Pytester, test: str) -> dict[int, tuple[int, float]]:
+    """{rank: (pid, time it entered the collective)} of ``test``'s ranks."""
+    found = {}
+    for rank in (0, 1):
+        path = pytester.path / "pids" / f"{test}-{rank}"
+        if path.exists():
+            pid, at = path.read_text().split()
+            found[rank] = (int(pid), float(at))
+    return found
+
+
+def record_of(session: Session, nodeid: str) -> dict[str, Any]:
+    assert session.report is not None, "no JSON report was written"
+    found = [r for r in session.report["expired"] if r["nodeid"] == nodeid]
+    assert len(found) == 1, (nodeid, session.report["expired"])
+    return found[0]
+
+
+def reap(pid: int) -> None:
+    """Kill ``pid`` (a process this test made sure is its own to end) and reap it if it
+    was adopted by this process (the suite's pytest is a child subreaper too)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, 0)
+    assert wait_gone(pid, 5.0)
+
+
+# -- 2 gloo ranks, rank 0 stuck in all_reduce: three ways to time it ------------------
+@pytest.mark.expires(TORCH_BUDGET)
+@pytest.mark.parametrize("xdist", [False, True], ids=["single", "xdist"])
+def test_rank_stuck_in_all_reduce(pytester: pytest.Pytester, xdist: bool) -> None:
+    pytester.makepyfile(test_ranks=RANKS)
+    args = [f"--elastic-timer-grace={GRACE:g}", "-rA"]
+    if xdist:
+        session = run(pytester, *XDIST, *args, lean=False, timeout=TORCH_TIMEOUT)
+    else:
+        session = run(pytester, *args, timeout=TORCH_TIMEOUT)
+    session.assert_clean()
+    session.result.assert_outcomes(failed=3)
+    for test in RANK_TESTS:
+        ranks = rank_files(pytester, test)
+        assert set(ranks) == {0, 1}, (test, ranks, session.text)
+        (rank0, entered), (rank1, _) = ranks[0], ranks[1]
+        record = record_of(session, f"test_ranks.py::{test}")
+        # Rank 0 owns the scope: its pid and label, not the test process's.
+        assert record["scope"] == "allreduce", record
+        assert (record["pid"], record["label"]) == (rank0, "rank 0"), record
+        assert re.fullmatch(HARD, record["action"]), record
+        assert re.search(r"line \d+ in all_reduce\b", record["stack"]), record["stack"]
+        assert re.search(rf"line \d+ in rank_{test[5:]}\b", record["stack"]), record["stack"]
+        budget = record["budget"]  # a file timer counts from when the watchdog read it
+        assert 1.5 < budget <= 2 and budget <= record["elapsed"] < 2 + GRACE + 4, record
+        assert {p["pid"] for p in record["killed"]} == {rank0}  # rank 0, not the worker
+        if xdist:
+            assert re.fullmatch(r"gw\d", record["worker"]), record
+        else:
+            assert record["worker"] == "", record
+        if test != "test_file_timer":  # file-timer requests carry no file:line
+            assert record["file"].endswith("test_ranks.py") and record["line"] > 0, record
+
+        # The test failed within seconds of the hang, and no rank outlived it.
+        alive, ended = (pytester.path / "pids" / f"alive-{test}").read_text().splitlines()
+        assert alive.strip() == "", f"{test}: ranks alive after the test: {alive}"
+        assert float(ended) - entered < 2 + GRACE + 15, (test, float(ended) - entered)
+        assert wait_gone(rank0, 1.0) and wait_gone(rank1, 1.0)
+
+        # The failure text carries the rank's record.
+        block = failure_block(session, test)
+        (text,) = sections(block, f"elastic-timer: expired in rank 0, pid {rank0}")
+        assert scope_line("allreduce", f"{budget:g}", HARD).match(text.splitlines()[0])
+        assert f"test:    test_ranks.py::{test}" in text
+        assert re.search(r"line \d+ in all_reduce\b", text), text
+    if xdist:
+        assert "node down" not in session.text and "replacing" not in session.text
+    assert "elastic-timer: expired scopes" in session.stdout
+
+
+# -- torch's own harness: ranks that never import this package ----------------------
+@pytest.mark.expires(TORCH_BUDGET)
+def test_multi_process_test_case_bounded_by_expires(pytester: pytest.Pytester) -> None:
+    source = pytester.makepyfile(test_mptc=MULTI_PROCESS_TEST_CASE)
+    session = run(pytester, "--expires=20", f"--elastic-timer-grace={GRACE:g}", "-rA")
+    session.assert_clean()
+    session.result.assert_outcomes(failed=1)
+    assert session.seconds < 20 + 40, session.seconds  # torch start-up included
+    first = lead(session, "StuckRanks.test_allreduce")
+    assert scope_line("test_allreduce::call", "20").match(first), first
+    record = record_of(session, "test_mptc.py::StuckRanks::test_allreduce")
+    assert 20 <= record["elapsed"] < 20 + 3, record
+
+    # The stacks of both stuck ranks, taken before the harness tore them down.
+    ranks = [int(p) for p in re.findall(r"Started process \d with pid (\d+)", session.stdout)]
+    assert len(set(ranks)) == 2, session.stdout
+    block = failure_block(session, "StuckRanks.test_allreduce")
+    stacks = {pid: sections(block, f"elastic-timer: stack of pid {pid} at expiry") for pid in ranks}
+    assert all(len(found) == 1 for found in stacks.values()), (stacks, block)
+    texts = [found[0] for found in stacks.values()]
+    in_all_reduce = [t for t in texts if re.search(r"line \d+ in all_reduce\b", t)]
+    assert len(in_all_reduce) == 1, texts  # rank 0
+    assert all(re.search(r'test_mptc\.py", line \d+ in test_allreduce', t) for t in texts)
+    (rank1,) = [t for t in texts if t not in in_all_reduce]
+    line = next(i for i, s in enumerate(source.read_text().splitlines(), 1) if "3600" in s)
+    assert f'test_mptc.py", line {line} in test_allreduce' in rank1, rank1  # its sleep
+    assert {c["pid"] for c in record["children"] if c.get("stack")} >= set(ranks)
+    for pid in ranks:
+        assert wait_gone(pid, 5.0), f"rank {pid} outlived the test"
+
+
+# -- a plain Python child: its stack in the failure ----------------------------------
+PLAIN_CHILD = '''
+import subprocess
+import sys
+
+import pytest
+
+HELPER = """
+import time
+
+def serve_forever():
+    time.sleep(3600)
+
+serve_forever()
+"""
+
+
+@pytest.mark.expires(2)
+def test_plain():
+    helper = subprocess.Popen([sys.executable, "-c", HELPER])
+    with open("helper.pid", "w") as f:
+        f.write(str(helper.pid))
+    try:
+        helper.wait()
+    finally:
+        helper.kill()
+        helper.wait()
+'''
+
+
+def test_plain_child_stack_in_failure_sections(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_plain=PLAIN_CHILD)
+    session = run(pytester, "-rA")
+    session.assert_clean()
+    session.result.assert_outcomes(failed=1)
+    helper = int((pytester.path / "helper.pid").read_text())
+    record = session.assert_expired("test_plain", "test_plain::call", 2)
+    assert helper in {c["pid"] for c in record["children"]}
+    block = failure_block(session, "test_plain")
+    (text,) = sections(block, f"elastic-timer: stack of pid {helper} at expiry")
+    assert re.search(r'File "<string>", line \d+ in serve_forever', text), text
+    assert wait_gone(helper, 5.0)
+
+
+def test_nested_session_child_stack_in_failure_sections(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session started inside another one (as pytester does): the inner session's
+    start-up hook, first on PYTHONPATH, wins over the outer one it shadows."""
+    outer = pytester.mkdir("outer")
+    monkeypatch.setenv("PYTHONPATH", startup.install(str(outer)))
+    monkeypatch.setenv(startup.ENV_DUMP_SIGNAL, str(startup.session_dump_signal()))
+    pytester.makepyfile(test_plain=PLAIN_CHILD)
+    session = run(pytester, "-rA", nested=True)
+    helper = int((pytester.path / "helper.pid").read_text())
+    block = failure_block(session, "test_plain")
+    (text,) = sections(block, f"elastic-timer: stack of pid {helper} at expiry")
+    assert re.search(r'File "<string>", line \d+ in serve_forever', text), text
+    assert not (outer / f"dump-{helper}").exists() or not (outer / f"dump-{helper}").stat().st_size
+
+
+# -- a double-forked daemon: the leak check -------------------------------------------
+DAEMON = '''
+import os
+import subprocess
+import sys
+import time
+
+DAEMON = """
+import os
+import sys
+import time
+
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        with open(sys.argv[1] + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+        time.sleep(3600)
+        os._exit(0)
+    os._exit(0)
+os.wait()
+"""
+
+
+def test_daemon():
+    path = os.path.abspath("daemon.pid")
+    subprocess.run([sys.executable, "-c", DAEMON, path], check=True, timeout=60)
+    while not os.path.exists(path):
+        time.sleep(0.01)
+
+
+def test_after():
+    pass
+'''
+LEFT = "test_daemon.py::test_daemon left 1 process(es) running after its teardown"
+
+
+@pytest.mark.parametrize("mode", ["kill", "warn", "off"])
+def test_double_forked_grandchild(pytester: pytest.Pytester, mode: str) -> None:
+    pytester.makepyfile(test_daemon=DAEMON)
+    session = run(pytester, "-rA", f"--elastic-timer-leaks={mode}")
+    pid = int((pytester.path / "daemon.pid").read_text())
+    try:
+        session.assert_clean()
+        session.result.assert_outcomes(passed=2)
+        text = " ".join(session.stdout.split())  # warnings summary lines are wrapped
+        if mode == "kill":
+            assert f"PytestWarning: {LEFT} (ended): {pid} (" in text, session.stdout
+            assert wait_gone(pid, 5.0), "the leak check left the daemon running"
+        elif mode == "warn":
+            assert f"PytestWarning: {LEFT} (still running): {pid} (" in text, session.stdout
+            assert not wait_gone(pid, 1.0), "warn must not kill"
+        else:
+            assert "left 1 process(es)" not in text, session.stdout
+            assert not wait_gone(pid, 1.0), "off must not kill"
+    finally:
+        if not wait_gone(pid, 0):
+            reap(pid)
+    assert wait_gone(pid, 1.0)
