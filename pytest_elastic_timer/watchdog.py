@@ -419,6 +419,8 @@ class Watchdog:
             )
             owner.reports.pop(serial, None)
             owner.expiries[serial] = expiry
+            # On disk at once: a record must not wait for the ladder's next step.
+            self._record(owner, expiry, "interrupted", expiry_stack(expiry), [], final=False)
             expiry.steps = self._escalate(owner, expiry, interrupt=False)
             self._advance(owner, expiry)
 

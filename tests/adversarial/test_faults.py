@@ -231,6 +231,7 @@ def test_before_the_loss():
 
 def test_kill_the_watchdog(elastic_timer_server):
     pid = elastic_timer_server.pid
+    time.sleep(0.2)  # the previous test's report is read and recorded before the loss
     os.kill(pid, signal.SIGKILL)
     while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
         time.sleep(0.01)
