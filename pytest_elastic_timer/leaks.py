@@ -13,7 +13,6 @@ import contextlib
 import ctypes
 import ctypes.util
 import os
-import signal
 import threading
 
 import psutil
@@ -100,11 +99,7 @@ def end_leaks(pids: set[int], kill_after: float = 1.0) -> list[dict[str, object]
     if not procs:
         return []
     described = [proctree.describe(p) for p in procs]
-    proctree.send(procs, signal.SIGTERM)
-    proctree.send(procs, signal.SIGCONT)
-    survivors = proctree.wait_gone(procs, kill_after)
-    proctree.send(survivors, signal.SIGKILL)
-    proctree.wait_gone(survivors, 2.0)
+    proctree.end_all(procs, kill_after)
     for pid in pids:
         _reap(pid)
     return described

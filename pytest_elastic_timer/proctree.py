@@ -7,6 +7,7 @@ is never signalled. This module imports nothing from pytest.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from dataclasses import dataclass
 
@@ -152,6 +153,17 @@ def _signal(proc: psutil.Process, signum: int) -> None:
         # Gone, not ours, or not a signal: a signal number read from a process's own
         # table can be anything, and must never end the watchdog.
         pass
+
+
+def end_all(procs: list[psutil.Process], kill_after: float) -> list[psutil.Process]:
+    """SIGTERM ``procs`` (woken if stopped), SIGKILL what survives ``kill_after``;
+    returns what still runs after that (a process in D state, say). Blocking: for the
+    end of a test or of the session, not for the watchdog's event loop."""
+    send(procs, signal.SIGTERM)
+    send(procs, signal.SIGCONT)  # a stopped process acts on SIGTERM only once it runs
+    survivors = wait_gone(procs, kill_after)
+    send(survivors, signal.SIGKILL)
+    return wait_gone(survivors, 2.0)
 
 
 def wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:

@@ -636,17 +636,22 @@ def _report(
             if hasattr(exc, "add_note"):  # Python 3.11+
                 exc.add_note(f"event loop tasks when the scope expired:\n{tasks}")
             stack = f"{stack}\n{tasks}"
-        state.send(
-            "expired",
-            serial=scope._serial,
-            scope=scope.path,
-            budget=budget,
-            elapsed=now - scope._start,
-            site=exc.site,
-            nodeid=state.nodeid,
-            stack=stack[-64_000:],
-        )
+        _tell_expired(state, scope, now, stack)
     return exc
+
+
+def _tell_expired(state: client.ProcessState, scope: TimerRequest, now: float, stack: str) -> None:
+    """Tell the watchdog that ``scope`` expired here, and where the owner was."""
+    state.send(
+        "expired",
+        serial=scope._serial,
+        scope=scope.path,
+        budget=_budget_of(scope),
+        elapsed=now - scope._start,
+        site=scope.site,
+        nodeid=state.nodeid,
+        stack=stack[-64_000:],
+    )
 
 
 _CRITICAL: set[Any] = set()
@@ -712,16 +717,7 @@ def _cancel_task(state: client.ProcessState, scope: TimerRequest, now: float) ->
     """Cancel the task that entered ``scope``; its ``__exit__`` raises ScopeExpired."""
     task = scope._task
     task.get_loop().call_soon_threadsafe(task.cancel, _cancel_message(scope))
-    state.send(
-        "expired",
-        serial=scope._serial,
-        scope=scope.path,
-        budget=_budget_of(scope),
-        elapsed=now - scope._start,
-        site=scope.site,
-        nodeid=state.nodeid,
-        stack=_task_stacks([task]),
-    )
+    _tell_expired(state, scope, now, _task_stacks([task]))
 
 
 _DEBUGGER_MODULES = ("bdb", "pdb", "pydevd", "debugpy", "_pydevd", "pudb", "IPython")
@@ -746,11 +742,8 @@ def _under_debugger() -> bool:
 def _postpone_expired(now: float) -> None:
     """Someone is stepping through this process: expired scopes get their budget
     again (at least a second) instead of an exception in the debugger's face."""
-    for stack in list(_stacks.values()):
-        for scope in list(stack):
-            if not scope._cancelled and scope._deadline <= now + _EARLY and scope.active:
-                scope._set_deadline(now + max(1.0, scope._deadline - scope._start))
-    for scope in list(_detached.values()):
+    open_scopes = [s for stack in list(_stacks.values()) for s in stack]
+    for scope in open_scopes + list(_detached.values()):
         if not scope._cancelled and scope._deadline <= now + _EARLY and scope.active:
             scope._set_deadline(now + max(1.0, scope._deadline - scope._start))
 

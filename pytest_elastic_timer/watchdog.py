@@ -674,11 +674,7 @@ class Watchdog:
         if not procs:
             return
         self.session["stray_processes"] = [proctree.describe(p) for p in procs]
-        proctree.send(procs, signal.SIGTERM)
-        proctree.send(procs, signal.SIGCONT)
-        survivors = proctree.wait_gone(procs, self.kill_after)
-        proctree.send(survivors, signal.SIGKILL)
-        proctree.wait_gone(survivors, 2.0)
+        proctree.end_all(procs, self.kill_after)
 
     def _print_summary(self) -> None:
         # Print again only when something changed (a new record, or a preliminary one
