@@ -4,7 +4,8 @@ A process is a test's leak when it became a child of the test process during the
 call phase (fixtures start their servers in setup, which is left out) and still runs
 when the test's teardown is over. The pytest process is made a child subreaper (Linux),
 so a double-forked daemon or a grandchild whose parent exited is adopted by it and seen
-too. Children are read from ``/proc/self/task/*/children``: two small reads per test.
+too. Children are read from ``/proc/self/task/*/children``: two small reads per test,
+compared as bytes.
 """
 
 from __future__ import annotations
@@ -52,20 +53,37 @@ def _read_children(task: str) -> bytes:
     return data
 
 
-def direct_children() -> set[int]:
-    """Pids of this process's children (any thread's), as the kernel lists them."""
-    tasks = [str(threading.main_thread().native_id or os.getpid())]
-    if threading.active_count() > 1:
-        with contextlib.suppress(OSError):
-            tasks = os.listdir("/proc/self/task")
-    pids: set[int] = set()
+def snapshot() -> bytes:
+    """This process's children (any thread's) as the kernel lists them: compared as
+    bytes first, so that a test that started nothing costs one read and no parsing."""
+    main = threading.main_thread().native_id or os.getpid()
+    if threading.active_count() == 1:
+        try:
+            return _read_children(str(main))
+        except OSError:
+            _children_fds.pop((os.getpid(), str(main)), None)
+            return b""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        tasks = [str(main)]
+    parts = []
     for task in tasks:
         try:
-            pids.update(int(p) for p in _read_children(task).split())
-        except (OSError, ValueError):
+            parts.append(_read_children(task))
+        except OSError:
             _children_fds.pop((os.getpid(), task), None)
-            continue
-    return pids
+    return b" ".join(parts)
+
+
+def pids_of(listing: bytes) -> set[int]:
+    """The pids of a :func:`snapshot`."""
+    return {int(p) for p in listing.split() if p.isdigit()}
+
+
+def direct_children() -> set[int]:
+    """Pids of this process's children (any thread's), as the kernel lists them."""
+    return pids_of(snapshot())
 
 
 # Helpers multiprocessing starts once and keeps for the life of the process: not leaks.

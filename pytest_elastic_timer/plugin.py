@@ -7,6 +7,7 @@ the only process) and stopped in ``pytest_unconfigure``.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -68,6 +69,11 @@ class Settings:
     session: float = 0.0
     leaks: str = "kill"
 
+    @functools.cached_property
+    def default_budgets(self) -> Budgets:
+        """The budgets of a test without a marker."""
+        return Budgets(None, self.expires or None, None, None)
+
 
 @dataclass(frozen=True)
 class Budgets:
@@ -93,7 +99,6 @@ class SessionState:
 SESSION = pytest.StashKey[SessionState]()
 BUDGETS = pytest.StashKey[Budgets]()
 CALL_SCOPE = pytest.StashKey[TimerRequest]()
-CHILDREN_AT_CALL = pytest.StashKey[set[int]]()
 
 
 # -- options -------------------------------------------------------------------------
@@ -329,16 +334,32 @@ def pytest_sessionfinish(session: pytest.Session) -> Generator[None, None, None]
 
 # -- collection: the marker is checked where the test is defined ---------------------
 @pytest.hookimpl(wrapper=True)
-def pytest_pycollect_makeitem(collector: pytest.Collector, name: str, obj: object) -> Any:
-    result = yield
-    items = result if isinstance(result, list) else [result]
-    for item in items:
-        if isinstance(item, pytest.Item):
-            try:
-                budgets_of(item)
-            except ValueError as exc:
-                raise collector.CollectError(str(exc)) from None
-    return result
+def pytest_make_collect_report(collector: pytest.Collector) -> Any:
+    # Once per collector, not per test: a bad marker fails its module's collection.
+    report = yield
+    if report.passed:
+        for item in report.result:
+            if isinstance(item, pytest.Item):
+                try:
+                    budgets_of(item)
+                except ValueError as exc:
+                    report.outcome = "failed"
+                    report.longrepr = str(exc)
+                    report.result = []
+                    break
+    return report
+
+
+def _marker(item: pytest.Item) -> pytest.Mark | None:
+    # get_closest_marker() with its two generators costs more than the rest of
+    # budgets_of(); the same search, from the test up.
+    node: Any = item
+    while node is not None:
+        for mark in node.own_markers:
+            if mark.name == "expires":
+                return mark  # type: ignore[no-any-return]
+        node = node.parent
+    return None
 
 
 def budgets_of(item: pytest.Item) -> Budgets:
@@ -347,12 +368,13 @@ def budgets_of(item: pytest.Item) -> Budgets:
     if cached is not None:
         return cached
     settings = item.config.stash[SESSION].settings
-    marker = item.get_closest_marker("expires")
-    default = settings.expires or None
+    marker = _marker(item)
     if marker is None:
-        budgets = Budgets(None, default, None, None)
+        budgets = settings.default_budgets
     else:
         budgets = _parse_marker(item.nodeid, marker.args, marker.kwargs)
+        if budgets.setup is not None or budgets.teardown is not None:
+            _need_phase_budgets(item.config)
     item.stash[BUDGETS] = budgets
     return budgets
 
@@ -383,6 +405,29 @@ def _parse_marker(nodeid: str, args: tuple[Any, ...], kwargs: Mapping[str, Any])
 
 
 # -- running: one scope per phase ----------------------------------------------------
+# Every hook implementation here is paid by every test (a wrapper costs about twice a
+# plain one), so the common case takes plain hooks for setup and teardown, one wrapper
+# for the call phase and logfinish for the end; the wrappers that give setup and
+# teardown budgets of their own are registered only once a collected test has one.
+
+
+@dataclass
+class RunningTest:
+    """What this process knows of the test it runs, from setup to logfinish."""
+
+    item: pytest.Item
+    nodeid: str
+    state: SessionState
+    when: str = ""
+    phase: scopes.PhaseToken | None = None
+    children: bytes | None = None  # this process's children when the call began
+
+
+# The tests running in this process, innermost last: a test can run a pytest session
+# in-process (pytester), whose tests run inside its call phase.
+_running: list[RunningTest] = []
+
+
 def _phase_scope(
     item: pytest.Item, when: str, budget: float | None, grace: float | None
 ) -> TimerRequest:
@@ -414,55 +459,120 @@ def _budgets_or_fail(item: pytest.Item) -> Budgets:
         pytest.fail(str(exc), pytrace=False)
 
 
-def _run_phase(
-    item: pytest.Item, when: str, budget: float | None, grace: float | None
-) -> Generator[None, None, None]:
-    """The body of the phase wrappers: the phase runs inside its scope, or, without a
-    budget, under its name only (scopes entered in it nest below it either way)."""
-    if budget is None:
-        token = scopes.enter_phase(f"{item.name}::{when}")
-        try:
-            return (yield)
-        finally:
-            scopes.leave_phase(token)
-    scope = _phase_scope(item, when, budget, grace)
-    if when == "call":
-        item.stash[CALL_SCOPE] = scope
-    with scope:
-        return (yield)
+def _current(item: pytest.Item) -> RunningTest | None:
+    return _running[-1] if _running and _running[-1].item is item else None
 
 
-@pytest.hookimpl(wrapper=True, tryfirst=True)
-def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
+def _enter(running: RunningTest, when: str, *, named: bool = True) -> None:
+    """The test's phase ``when`` begins: the owner's phase word and, if ``named``, the
+    name that scopes entered in it nest below. The phase before it ends, closing the
+    scopes it left open."""
+    if running.when == when:
+        return  # a wrapper for the phase's budget did it already
+    running.when = when
+    scopes.process_state().set_phase(when)
+    if running.phase is not None:
+        scopes.leave_phase(running.phase)
+        running.phase = None
+    if named:
+        running.phase = scopes.enter_phase(f"{running.item.name}::{when}")
+
+
+def _begin(item: pytest.Item, *, named: bool = True) -> None:
+    """The test's setup begins: the watchdog still there, the test's name for records."""
+    running = _current(item)
+    if running is not None:
+        if running.when == "setup":
+            return  # a wrapper for the setup budget did it already
+        _finish(_running.pop())  # the same test runs again (a plugin that reruns tests)
     process = scopes.process_state()
     if process.sock is not None and not process.watchdog_alive(every=1.0):
         _watchdog_lost(item)
-    process.set_nodeid(item.nodeid)
-    process.set_phase("setup")
-    budgets = _budgets_or_fail(item)
-    return (yield from _run_phase(item, "setup", budgets.setup, budgets.grace))
+    running = RunningTest(item, item.nodeid, item.config.stash[SESSION])
+    _running.append(running)
+    process.set_nodeid(running.nodeid)
+    _enter(running, "setup", named=named)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _begin(item)
+    _budgets_or_fail(item)
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
     budgets = _budgets_or_fail(item)
-    scopes.process_state().set_phase("call")
-    if item.config.stash[SESSION].settings.leaks != "off":
-        item.stash[CHILDREN_AT_CALL] = leaks.direct_children()
-    return (yield from _run_phase(item, "call", budgets.call, budgets.grace))
+    running = _current(item)
+    if running is not None:
+        if running.state.settings.leaks != "off":
+            running.children = leaks.snapshot()
+        # With a budget, the call's scope names the phase.
+        _enter(running, "call", named=budgets.call is None)
+    if budgets.call is None:
+        return (yield)
+    scope = _phase_scope(item, "call", budgets.call, budgets.grace)
+    item.stash[CALL_SCOPE] = scope
+    with scope:
+        return (yield)
 
 
-@pytest.hookimpl(wrapper=True, tryfirst=True)
-def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
-    budgets = _budgets_or_fail(item)
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    running = _current(item)
+    if running is not None:
+        _enter(running, "teardown")
+
+
+def pytest_runtest_logfinish(nodeid: str) -> None:
+    if _running and _running[-1].nodeid == nodeid:
+        _finish(_running.pop())
+
+
+def _finish(running: RunningTest) -> None:
+    """After the test's teardown: its scopes are over, its leftover processes found."""
     process = scopes.process_state()
-    process.set_phase("teardown")
-    try:
-        return (yield from _run_phase(item, "teardown", budgets.teardown, budgets.grace))
-    finally:
-        process.set_nodeid("")
-        process.set_phase("between tests")
-        _check_leaks(item)
+    if running.phase is not None:
+        scopes.leave_phase(running.phase)
+        running.phase = None
+    # Back to the test that runs this session in-process, if any.
+    process.set_nodeid(_running[-1].nodeid if _running else "")
+    process.set_phase(_running[-1].when if _running else "between tests")
+    if running.children is not None:
+        _check_leaks(running)
+
+
+class PhaseBudgets:
+    """Scopes for setup and teardown budgets (``expires(setup=..., teardown=...)``),
+    registered once a collected test has one."""
+
+    NAME = "elastic_timer_phase_budgets"
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, None, None]:
+        budgets = _budgets_or_fail(item)
+        # First: the scope's record names the test; the scope names the phase.
+        _begin(item, named=budgets.setup is None)
+        if budgets.setup is None:
+            return (yield)
+        with _phase_scope(item, "setup", budgets.setup, budgets.grace):
+            return (yield)
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtest_teardown(self, item: pytest.Item) -> Generator[None, None, None]:
+        budgets = _budgets_or_fail(item)
+        running = _current(item)
+        if running is not None:  # first: leaving the call closes what it left open
+            _enter(running, "teardown", named=budgets.teardown is None)
+        if budgets.teardown is None:
+            return (yield)
+        with _phase_scope(item, "teardown", budgets.teardown, budgets.grace):
+            return (yield)
+
+
+def _need_phase_budgets(config: pytest.Config) -> None:
+    if not config.pluginmanager.has_plugin(PhaseBudgets.NAME):
+        config.pluginmanager.register(PhaseBudgets(), PhaseBudgets.NAME)
 
 
 def _watchdog_lost(item: pytest.Item) -> None:
@@ -479,13 +589,16 @@ def _watchdog_lost(item: pytest.Item) -> None:
     warnings.warn(pytest.PytestWarning(f"elastic-timer: {state.lost_watchdog}"), stacklevel=1)
 
 
-def _check_leaks(item: pytest.Item) -> None:
-    before = item.stash.get(CHILDREN_AT_CALL, None)
-    if before is None:
+def _check_leaks(running: RunningTest) -> None:
+    before = running.children
+    after = leaks.snapshot()
+    if before is None or after == before:
         return
-    state = item.config.stash[SESSION]
+    state = running.state
     ours = {state.watchdog.pid} if state.watchdog else set()
-    new = {p for p in leaks.direct_children() - before - ours if not leaks.is_service(p)}
+    new = {
+        p for p in leaks.pids_of(after) - leaks.pids_of(before) - ours if not leaks.is_service(p)
+    }
     if not new:
         return
     mode = state.settings.leaks
@@ -497,7 +610,7 @@ def _check_leaks(item: pytest.Item) -> None:
         done = "ended" if mode == "kill" else "still running"
         warnings.warn(
             pytest.PytestWarning(
-                f"{item.nodeid} left {len(left)} process(es) running after its teardown "
+                f"{running.nodeid} left {len(left)} process(es) running after its teardown "
                 f"({done}): {names}"
             ),
             stacklevel=1,

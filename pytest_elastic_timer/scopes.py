@@ -486,7 +486,10 @@ class TimerRequest:
 expires = TimerRequest
 
 
-def enter_phase(path: str) -> tuple[_Stack, str, int, float]:
+PhaseToken = tuple[_Stack, str, int, float]
+
+
+def enter_phase(path: str) -> PhaseToken:
     """Name the phase this thread enters (a test phase without a budget): scopes
     entered from now on nest below ``path``. Cheaper than a scope without deadline."""
     try:
@@ -500,7 +503,7 @@ def enter_phase(path: str) -> tuple[_Stack, str, int, float]:
     return stack, previous, len(stack), start
 
 
-def leave_phase(token: tuple[_Stack, str, int, float]) -> None:
+def leave_phase(token: PhaseToken) -> None:
     """End the phase of :func:`enter_phase`; scopes it left open are closed."""
     stack, previous, depth, start = token
     ending = stack.prefix
