@@ -23,6 +23,7 @@ Where each output comes from:
 
 from __future__ import annotations
 
+import heapq
 import json
 import math
 import os
@@ -50,7 +51,6 @@ SLOWEST_TESTS = 50  # tests listed in the JSON report's session.slowest
 SLOWEST_SCOPES = 3  # scopes listed per test there
 SCHEMA = "report.schema.json"
 PHASES = ("setup", "call", "teardown")
-_BUDGET_ATTR = "elastic_timer_budget"  # a report's phase budget in seconds, scaled
 REPORTER_NAME = "elastic_timer_ci_session"
 
 
@@ -117,9 +117,16 @@ class CiState:
     trace: str | None = None
     expired: dict[str, list[ExpiryRecord]] = field(default_factory=dict)
     locations: dict[str, tuple[str, int | None]] = field(default_factory=dict)
-    # (nodeid, when, seconds, budget, expired) per phase; PhaseTime only at the end:
-    # a dataclass per phase of every test would be most of this plugin's cost.
+    # (nodeid, when, seconds, budget, expired) per phase, read from the terminal's
+    # reports once the session ends (see collect_phases).
     raw_phases: list[tuple[str, str, float, float | None, bool]] = field(default_factory=list)
+    # Budgets of tests that differ from the default (a marker), scaled: from the items,
+    # or from each xdist worker's output.
+    budgets: dict[str, tuple[float | None, float | None, float | None]] = field(
+        default_factory=dict
+    )
+    default_call: float | None = None
+    collected: bool = False
 
     @property
     def phases(self) -> list[PhaseTime]:
@@ -164,19 +171,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 # -- reports -------------------------------------------------------------------------
-def annotate_report(
+# Nothing here runs for a passing test: phase times are read from the terminal's
+# reports at the end, and the hooks below are registered once a test fails.
+def annotate_expiry(
     item: pytest.Item, call: pytest.CallInfo[None], report: pytest.TestReport
 ) -> None:
-    """The phase's budget rides on the report (also to an xdist controller); an expiry
-    in this process adds its facts as user properties. Called by the plugin's
-    makereport wrapper (one wrapper for both: each costs a generator per report)."""
-    if report.when in PHASES:
-        try:
-            budget = getattr(plugin.budgets_of(item), report.when)
-        except ValueError:
-            budget = None
-        if budget:
-            setattr(report, _BUDGET_ATTR, budget * scopes.process_state().scale)
+    """An expiry raised in this process adds its facts to the failed report as user
+    properties (they travel to an xdist controller with it)."""
     if not report.failed or call.excinfo is None:
         return
     exc = call.excinfo.value
@@ -233,27 +234,22 @@ class SessionReports:
         self.config = config
         self.state = state
 
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        state = self.state
-        if report.when not in PHASES:
-            return
-        state.locations.setdefault(report.nodeid, (report.location[0], report.location[1]))
-        found = _expired_of(self.config, report) if report.failed else []
-        if found:
-            if _scope_of(report) is None:
-                report.user_properties.append((xdist_support.SCOPE_PROPERTY, found[0].scope))
-            _add_properties(report, found[0])
-            known = state.expired.setdefault(report.nodeid, [])
-            seen = {(k.pid, k.scope) for k in known}
-            known.extend(r for r in found if (r.pid, r.scope) not in seen)
-        budget = getattr(report, _BUDGET_ATTR, None)
-        state.raw_phases.append((report.nodeid, report.when, report.duration, budget, bool(found)))
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        if plugin._uses_xdist(self.config):  # workers' failures arrive at any time
+            watch_failures(self.config)
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node: Any, error: Any) -> None:
+        """An xdist worker's budgets that differ from the default (see worker_output)."""
+        output = getattr(node, "workeroutput", None) or {}
+        for nodeid, budgets in dict(output.get(BUDGETS_KEY, {})).items():
+            self.state.budgets[str(nodeid)] = tuple(budgets)
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         state = self.state
         state.exitstatus = int(exitstatus)
+        collect_phases(session, state)
         if state.junit and state.expired and os.path.exists(state.junit):
             try:
                 fix_junit(state.junit, state.expired, state.junit_prefix)
@@ -285,6 +281,116 @@ class SessionReports:
                     f.write(step_summary(found, slow, state.slow))
             except OSError as exc:
                 terminalreporter.write_line(f"pytest-elastic-timer: cannot write {summary}: {exc}")
+
+
+class FailedReports:
+    """Failed reports about expired scopes, in the controller (or only) process: their
+    facts as user properties, their record for the JUnit file and the summary, and the
+    ``TIMEOUT`` status. Registered once a test fails (always in an xdist controller)."""
+
+    NAME = "elastic_timer_failed_reports"
+
+    def __init__(self, config: pytest.Config, state: CiState) -> None:
+        self.config = config
+        self.state = state
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if not report.failed or report.when not in PHASES:
+            return
+        found = _expired_of(self.config, report)
+        if found:
+            if _scope_of(report) is None:
+                report.user_properties.append((xdist_support.SCOPE_PROPERTY, found[0].scope))
+            _add_properties(report, found[0])
+            known = self.state.expired.setdefault(report.nodeid, [])
+            seen = {(k.pid, k.scope) for k in known}
+            known.extend(r for r in found if (r.pid, r.scope) not in seen)
+
+    def pytest_report_teststatus(self, report: pytest.TestReport, config: pytest.Config) -> Any:
+        """Expired tests read ``T`` / ``TIMEOUT`` in the progress line and verbose output."""
+        if not report.failed:
+            return None
+        properties = getattr(report, "user_properties", ())  # a CollectReport has none
+        if any(k == xdist_support.SCOPE_PROPERTY for k, _ in properties):
+            # Setup and teardown count as errors, as any failure there does.
+            category = "failed" if report.when == "call" else "error"
+            return category, "T", ("TIMEOUT", {"red": True})
+        return None
+
+
+def watch_failures(config: pytest.Config) -> None:
+    """From now on, failed reports are looked at (a test failed, or a scope expired)."""
+    state = config.stash.get(CI, None)
+    if state is None or hasattr(config, "workerinput"):
+        return
+    if not config.pluginmanager.has_plugin(FailedReports.NAME):
+        config.pluginmanager.register(FailedReports(config, state), FailedReports.NAME)
+
+
+BUDGETS_KEY = "elastic_timer_budgets"
+
+
+def worker_output(session: pytest.Session) -> None:
+    """An xdist worker hands its tests' budgets that differ from the default (markers)
+    to the controller, with the rest of its output."""
+    output = getattr(session.config, "workeroutput", None)
+    if output is None:
+        return
+    output[BUDGETS_KEY] = _item_budgets(session)
+
+
+def _item_budgets(
+    session: pytest.Session,
+) -> dict[str, tuple[float | None, float | None, float | None]]:
+    settings = session.config.stash[plugin.SESSION].settings
+    default = settings.default_budgets
+    scale = settings.scale
+    out: dict[str, tuple[float | None, float | None, float | None]] = {}
+    for item in getattr(session, "items", None) or ():
+        budgets = item.stash.get(plugin.BUDGETS, None)
+        if budgets is None or budgets is default:
+            continue
+        out[item.nodeid] = tuple(  # type: ignore[assignment]
+            None if b is None else b * scale
+            for b in (budgets.setup, budgets.call, budgets.teardown)
+        )
+    return out
+
+
+def collect_phases(session: pytest.Session, state: CiState) -> None:
+    """Every test phase's duration and budget, from the reports the terminal kept."""
+    if state.collected:
+        return
+    state.collected = True
+    settings = session.config.stash[plugin.SESSION].settings
+    call_default = settings.expires * settings.scale if settings.expires else None
+    if not hasattr(session.config, "workerinput"):
+        state.budgets.update(_item_budgets(session))
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    stats: dict[str, list[Any]] = getattr(reporter, "stats", None) or {}
+    budgets = state.budgets
+    expired = state.expired
+    phases = state.raw_phases
+    locations = state.locations
+    index = {"setup": 0, "call": 1, "teardown": 2}
+    for reports in list(stats.values()):
+        for report in reports:
+            when = getattr(report, "when", None)
+            if when not in index or not isinstance(report, pytest.TestReport):
+                continue
+            nodeid = report.nodeid
+            known = budgets.get(nodeid)
+            budget = (
+                known[index[when]]
+                if known is not None
+                else (call_default if when == "call" else None)
+            )
+            phases.append(
+                (nodeid, when, report.duration, budget, report.failed and nodeid in expired)
+            )
+            if nodeid not in locations:
+                locations[nodeid] = (report.location[0], report.location[1])
 
 
 def _expired_of(config: pytest.Config, report: pytest.TestReport) -> list[ExpiryRecord]:
@@ -516,12 +622,14 @@ def session_end(config: pytest.Config) -> dict[str, Any]:
         "exitstatus": state.exitstatus,
         "slow_fraction": state.slow,
         "slow": [p.to_json(state.slow) for p in slow_phases(state)],
-        "slowest": slowest(state.phases, events, [r for v in state.expired.values() for r in v]),
+        "slowest": slowest(
+            state.raw_phases, events, [r for v in state.expired.values() for r in v]
+        ),
     }
 
 
 def slowest(
-    phases: list[PhaseTime],
+    phases: Sequence[tuple[str, str, float, float | None, bool]],
     events: list[dict[str, Any]],
     expired: Sequence[ExpiryRecord] = (),
     tests: int = SLOWEST_TESTS,
@@ -529,20 +637,36 @@ def slowest(
 ) -> list[dict[str, Any]]:
     """Per test, its slowest scopes (phases, and traced scopes of every process when
     tracing is on), for the ``tests`` tests whose slowest scope took longest."""
+    # First only the longest time per test (one pass, no objects), then the details of
+    # the few tests that make the list.
+    longest: dict[str, float] = {}
+    get = longest.get
+    for nodeid, _, seconds, _, _ in phases:
+        if seconds > get(nodeid, -1.0):
+            longest[nodeid] = seconds
+    timed = [(e, str(e.get("nodeid") or "")) for e in events]
+    for event, nodeid in timed:
+        if nodeid:
+            seconds = float(event["end"]) - float(event["start"])
+            if seconds > get(nodeid, -1.0):
+                longest[nodeid] = seconds
+    top = heapq.nlargest(tests, longest, key=longest.__getitem__)
+    wanted = set(top)
     budgets = {(r.nodeid, r.scope): r.budget for r in expired}
-    by_test: dict[str, dict[str, dict[str, Any]]] = {}
-    for phase in phases:
-        by_test.setdefault(phase.nodeid, {})[phase.scope] = {
-            "scope": phase.scope,
-            "seconds": round(phase.seconds, 6),
-            "budget": phase.budget,
-        }
-    for event in events:
-        nodeid = str(event.get("nodeid") or "")
-        if not nodeid:
+    by_test: dict[str, dict[str, dict[str, Any]]] = {nodeid: {} for nodeid in top}
+    for nodeid, when, seconds, budget, _ in phases:
+        if nodeid in wanted:
+            scope = f"{nodeid.rsplit('::', 1)[-1]}::{when}"
+            by_test[nodeid][scope] = {
+                "scope": scope,
+                "seconds": round(seconds, 6),
+                "budget": budget,
+            }
+    for event, nodeid in timed:
+        if nodeid not in wanted:
             continue
         seconds = round(float(event["end"]) - float(event["start"]), 6)
-        known = by_test.setdefault(nodeid, {})
+        known = by_test[nodeid]
         path = str(event.get("path", ""))
         entry = known.get(path)
         if entry is None or entry["seconds"] < seconds:
@@ -551,9 +675,11 @@ def slowest(
                 "seconds": seconds,
                 "budget": entry["budget"] if entry else budgets.get((nodeid, path)),
             }
-    ranked: list[dict[str, Any]] = []
-    for nodeid, found in by_test.items():
-        top = sorted(found.values(), key=lambda s: -s["seconds"])[:per_test]
-        ranked.append({"nodeid": nodeid, "scopes": top})
-    ranked.sort(key=lambda t: -t["scopes"][0]["seconds"] if t["scopes"] else 0.0)
-    return ranked[:tests]
+    ranked = [
+        {
+            "nodeid": nodeid,
+            "scopes": sorted(by_test[nodeid].values(), key=lambda s: -s["seconds"])[:per_test],
+        }
+        for nodeid in top
+    ]
+    return ranked

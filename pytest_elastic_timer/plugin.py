@@ -93,6 +93,7 @@ class SessionState:
     session_scope: TimerRequest | None = None
     session: pytest.Session | None = None
     lost_watchdog: str = ""  # why and when the watchdog went away mid-session
+    expiry_listener: Any = None
     started: float = field(default_factory=time.time)
 
 
@@ -199,6 +200,8 @@ def pytest_configure(config: pytest.Config) -> None:
     state = SessionState(settings)
     config.stash[SESSION] = state
     config.pluginmanager.register(ci_reports, "elastic_timer_ci")
+    state.expiry_listener = functools.partial(_watch_failures, config)
+    scopes.expiry_listeners.append(state.expiry_listener)
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(xdist_support, "elastic_timer_xdist")
     if settings.leaks != "off":
@@ -314,6 +317,7 @@ def pytest_collection(session: pytest.Session) -> Generator[None, None, None]:
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_sessionfinish(session: pytest.Session) -> Generator[None, None, None]:
     scopes.process_state().set_phase("sessionfinish")
+    ci_reports.worker_output(session)
     state = session.config.stash.get(SESSION, None)
     watchdog = state.watchdog if state is not None else None
     # Died after the last per-test look (in the last test, say): still say so.
@@ -510,11 +514,19 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
         # With a budget, the call's scope names the phase.
         _enter(running, "call", named=budgets.call is None)
     if budgets.call is None:
-        return (yield)
+        try:
+            return (yield)
+        except BaseException:
+            _watch_failures(item.config)  # before pytest makes the call's report
+            raise
     scope = _phase_scope(item, "call", budgets.call, budgets.grace)
     item.stash[CALL_SCOPE] = scope
-    with scope:
-        return (yield)
+    try:
+        with scope:
+            return (yield)
+    except BaseException:
+        _watch_failures(item.config)  # before pytest makes the call's report
+        raise
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -627,18 +639,31 @@ def _alive(pids: set[int]) -> list[psutil.Process]:
     return proctree.alive(procs)
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(
-    item: pytest.Item, call: pytest.CallInfo[None]
-) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-    report = yield
-    excinfo = call.excinfo
-    if excinfo is not None and isinstance(excinfo.value, ScopeExpired) and report.failed:
-        _lead_with_scope_line(report, excinfo.value)
-    if report.failed:
-        _add_process_sections(item, report)
-    ci_reports.annotate_report(item, call, report)
-    return report
+class ExpiryReports:
+    """Failed reports get the scope line first, and sections for expiries in processes
+    the test started. Registered once a test fails or a scope expires in this process:
+    a wrapper around every report would cost every passing test."""
+
+    NAME = "elastic_timer_expiry_reports"
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(
+        self, item: pytest.Item, call: pytest.CallInfo[None]
+    ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+        report = yield
+        if report.failed:
+            excinfo = call.excinfo
+            if excinfo is not None and isinstance(excinfo.value, ScopeExpired):
+                _lead_with_scope_line(report, excinfo.value)
+            _add_process_sections(item, report)
+            ci_reports.annotate_expiry(item, call, report)
+        return report
+
+
+def _watch_failures(config: pytest.Config) -> None:
+    if not config.pluginmanager.has_plugin(ExpiryReports.NAME):
+        config.pluginmanager.register(ExpiryReports(), ExpiryReports.NAME)
+    ci_reports.watch_failures(config)
 
 
 def _add_process_sections(item: pytest.Item, report: pytest.TestReport) -> None:
@@ -677,18 +702,6 @@ def _lead_with_scope_line(report: pytest.TestReport, exc: ScopeExpired) -> None:
     elif isinstance(longrepr, str):
         report.longrepr = f"{line}\n{longrepr}"
     report.user_properties.append((xdist_support.SCOPE_PROPERTY, exc.scope))
-
-
-def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config) -> Any:
-    """Expired tests read ``T`` / ``TIMEOUT`` in the progress line and verbose output."""
-    if not report.failed:
-        return None
-    properties = getattr(report, "user_properties", ())  # a CollectReport has none
-    if any(k == xdist_support.SCOPE_PROPERTY for k, _ in properties):
-        # Setup and teardown count as errors, as any failure there does.
-        category = "failed" if report.when == "call" else "error"
-        return category, "T", ("TIMEOUT", {"red": True})
-    return None
 
 
 # -- debugger ------------------------------------------------------------------------
@@ -819,6 +832,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     state = config.stash.get(SESSION, None)
     if state is None:
         return
+    if state.expiry_listener in scopes.expiry_listeners:
+        scopes.expiry_listeners.remove(state.expiry_listener)
     if scopes._state is not None:
         scopes._state.flush_trace()
     if state.session_scope is not None and state.session_scope.active:

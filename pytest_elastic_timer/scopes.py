@@ -92,6 +92,10 @@ class ScopeExpired(TimeoutError):
 ScopeExpired.__module__ = "pytest_elastic_timer"
 TimeoutException = ScopeExpired
 
+# Called (without arguments) whenever a ScopeExpired is about to be raised here: the
+# plugin starts looking at reports then.
+expiry_listeners: list[Callable[[], None]] = []
+
 # Exceptions waiting to be raised in threads other than main, by thread ident.
 _pending: dict[int, ScopeExpired] = {}
 
@@ -618,6 +622,8 @@ def _report(
     task: Any = None,
 ) -> ScopeExpired:
     """The exception for ``scope``, after telling the watchdog where the owner was."""
+    for listener in list(expiry_listeners):
+        listener()
     state = scope._state or _state
     pid = os.getpid()
     label = state.label if state is not None else ""
