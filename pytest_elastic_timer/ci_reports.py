@@ -117,9 +117,10 @@ class CiState:
     trace: str | None = None
     expired: dict[str, list[ExpiryRecord]] = field(default_factory=dict)
     locations: dict[str, tuple[str, int | None]] = field(default_factory=dict)
-    # (nodeid, when, seconds, budget, expired) per phase, read from the terminal's
-    # reports once the session ends (see collect_phases).
+    # (nodeid, when, seconds, budget, expired) per phase of the slowest tests, and the
+    # slow phases: read from the terminal's reports once the session ends.
     raw_phases: list[tuple[str, str, float, float | None, bool]] = field(default_factory=list)
+    slow_found: list[PhaseTime] = field(default_factory=list)
     # Budgets of tests that differ from the default (a marker), scaled: from the items,
     # or from each xdist worker's output.
     budgets: dict[str, tuple[float | None, float | None, float | None]] = field(
@@ -127,10 +128,6 @@ class CiState:
     )
     default_call: float | None = None
     collected: bool = False
-
-    @property
-    def phases(self) -> list[PhaseTime]:
-        return [PhaseTime(*p) for p in self.raw_phases]
 
     exitstatus: int | None = None
 
@@ -359,7 +356,8 @@ def _item_budgets(
 
 
 def collect_phases(session: pytest.Session, state: CiState) -> None:
-    """Every test phase's duration and budget, from the reports the terminal kept."""
+    """Slow phases, and every phase of the slowest tests, from the reports the
+    terminal kept (one pass over them all, then one over the few that make the list)."""
     if state.collected:
         return
     state.collected = True
@@ -369,28 +367,49 @@ def collect_phases(session: pytest.Session, state: CiState) -> None:
         state.budgets.update(_item_budgets(session))
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     stats: dict[str, list[Any]] = getattr(reporter, "stats", None) or {}
+    reports = [
+        r for group in list(stats.values()) for r in group if isinstance(r, pytest.TestReport)
+    ]
     budgets = state.budgets
-    expired = state.expired
-    phases = state.raw_phases
-    locations = state.locations
     index = {"setup": 0, "call": 1, "teardown": 2}
-    for reports in list(stats.values()):
+    longest: dict[str, float] = {}
+    get = longest.get
+    slow = state.slow
+    slow_found = state.slow_found
+
+    def budget_of(nodeid: str, when: str) -> float | None:
+        known = budgets.get(nodeid)
+        if known is not None:
+            return known[index[when]]
+        return call_default if when == "call" else None
+
+    for report in reports:
+        when = report.when
+        if when not in index:
+            continue
+        nodeid = report.nodeid
+        seconds = report.duration
+        if seconds > get(nodeid, -1.0):
+            longest[nodeid] = seconds
+        if slow and (nodeid in budgets or when == "call"):
+            budget = budget_of(nodeid, when)
+            if budget and slow * budget <= seconds <= budget and nodeid not in state.expired:
+                slow_found.append(PhaseTime(nodeid, when, seconds, budget))
+    slow_found.sort(key=lambda p: -(p.share or 0.0))
+    wanted = set(heapq.nlargest(SLOWEST_TESTS, longest, key=longest.__getitem__))
+    for report in reports:
+        nodeid = report.nodeid
+        if nodeid in wanted and report.when in index:
+            state.raw_phases.append(
+                (nodeid, report.when, report.duration, budget_of(nodeid, report.when), False)
+            )
+            if nodeid not in state.locations:
+                state.locations[nodeid] = (report.location[0], report.location[1])
+    for nodeid in state.expired:  # where GitHub annotations of expired tests point
         for report in reports:
-            when = getattr(report, "when", None)
-            if when not in index or not isinstance(report, pytest.TestReport):
-                continue
-            nodeid = report.nodeid
-            known = budgets.get(nodeid)
-            budget = (
-                known[index[when]]
-                if known is not None
-                else (call_default if when == "call" else None)
-            )
-            phases.append(
-                (nodeid, when, report.duration, budget, report.failed and nodeid in expired)
-            )
-            if nodeid not in locations:
-                locations[nodeid] = (report.location[0], report.location[1])
+            if report.nodeid == nodeid:
+                state.locations.setdefault(nodeid, (report.location[0], report.location[1]))
+                break
 
 
 def _expired_of(config: pytest.Config, report: pytest.TestReport) -> list[ExpiryRecord]:
@@ -468,10 +487,7 @@ def fix_junit(path: str, expired: dict[str, list[ExpiryRecord]], prefix: str | N
 # -- terminal summary: slow scopes, GitHub Actions -----------------------------------
 def slow_phases(state: CiState) -> list[PhaseTime]:
     """Test phases that used at least the slow fraction of their budget (not expired)."""
-    if not state.slow:
-        return []
-    found = [PhaseTime(*p) for p in state.raw_phases if p[3] and state.slow <= p[2] / p[3] <= 1.0]
-    return sorted(found, key=lambda p: -(p.share or 0.0))
+    return state.slow_found if state.slow else []
 
 
 def nice_ceil(seconds: float) -> float:

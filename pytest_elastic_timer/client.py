@@ -271,6 +271,17 @@ class ProcessState:
         self.nodeid = nodeid
         self.nodeid_sid = self.sid(nodeid)
 
+    def set_test(self, nodeid: str, name: str, definition: str) -> None:
+        """The test this process runs from now on; its one string in the table names
+        the test's phase scopes too (see ``table.test_entry``)."""
+        self.nodeid = nodeid
+        self.nodeid_sid = self.table.add_string(tbl.test_entry(nodeid, name, definition))
+
+    def restore_test(self, nodeid: str, sid: int) -> None:
+        """Back to an earlier test (or none), as :meth:`set_test` had written it."""
+        self.nodeid = nodeid
+        self.nodeid_sid = sid
+
     # -- trace --------------------------------------------------------------------
     def traced(self, path: str, start: float, thread_id: int, expired: bool) -> None:
         trace = self.trace

@@ -94,12 +94,12 @@ class SessionState:
     session: pytest.Session | None = None
     lost_watchdog: str = ""  # why and when the watchdog went away mid-session
     expiry_listener: Any = None
+    rootdir: str = ""
     started: float = field(default_factory=time.time)
 
 
 SESSION = pytest.StashKey[SessionState]()
 BUDGETS = pytest.StashKey[Budgets]()
-CALL_SCOPE = pytest.StashKey[TimerRequest]()
 
 
 # -- options -------------------------------------------------------------------------
@@ -197,7 +197,7 @@ def read_settings(config: pytest.Config) -> Settings:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", MARKER)
     settings = read_settings(config)
-    state = SessionState(settings)
+    state = SessionState(settings, rootdir=str(config.rootpath))
     config.stash[SESSION] = state
     config.pluginmanager.register(ci_reports, "elastic_timer_ci")
     state.expiry_listener = functools.partial(_watch_failures, config)
@@ -413,18 +413,47 @@ def _parse_marker(nodeid: str, args: tuple[Any, ...], kwargs: Mapping[str, Any])
 # plain one), so the common case takes plain hooks for setup and teardown, one wrapper
 # for the call phase and logfinish for the end; the wrappers that give setup and
 # teardown budgets of their own are registered only once a collected test has one.
+# The bodies are written for the same reason: no dataclass per test, and one string
+# per test written to the scope table (see ``client.ProcessState.set_test``).
 
 
-@dataclass
 class RunningTest:
     """What this process knows of the test it runs, from setup to logfinish."""
 
-    item: pytest.Item
-    nodeid: str
-    state: SessionState
-    when: str = ""
-    phase: scopes.PhaseToken | None = None
-    children: bytes | None = None  # this process's children when the call began
+    __slots__ = (
+        "call_scope",
+        "children",
+        "definition",
+        "depth",
+        "item",
+        "name",
+        "nodeid",
+        "outer_prefix",
+        "outer_sid",
+        "process",
+        "stack",
+        "started",
+        "state",
+        "when",
+    )
+
+    def __init__(self, item: pytest.Item, state: SessionState) -> None:
+        self.item = item
+        self.nodeid = item.nodeid
+        self.name = item.name
+        self.state = state
+        process = self.process = scopes.process_state()
+        stack = self.stack = scopes.thread_stack()
+        self.when = ""
+        self.depth = len(stack)  # scopes above this depth are the test's own
+        self.started = 0.0  # when the phase began, for the trace timeline
+        self.outer_prefix = stack.prefix
+        self.outer_sid = process.nodeid_sid
+        self.children: bytes | None = None  # this process's children when the call began
+        self.call_scope: TimerRequest | None = None
+        path, line, _ = item.location  # computed (and cached) by pytest before setup
+        where = path if os.path.isabs(path) else f"{state.rootdir}/{path}"
+        self.definition = (where, (line or 0) + 1)
 
 
 # The tests running in this process, innermost last: a test can run a pytest session
@@ -436,24 +465,19 @@ def _phase_scope(
     item: pytest.Item, when: str, budget: float | None, grace: float | None
 ) -> TimerRequest:
     scope = TimerRequest(budget, f"{item.name}::{when}", grace=grace)
-    scope.flags = tbl.FLAG_TEST_PHASE
+    scope.flags = tbl.FLAG_TEST_PHASE | tbl.PHASE_FLAGS[when]
     if budget is not None:  # a scope without a deadline is never reported: no place needed
         scope.at = _definition(item)
     return scope
 
 
-DEFINITION = pytest.StashKey[tuple[str, int]]()
-
-
 def _definition(item: pytest.Item) -> tuple[str, int]:
     """Where the test is defined: the file and 1-based line its report points at."""
-    found = item.stash.get(DEFINITION, None)
-    if found is None:
-        # item.location is computed (and cached) by pytest before setup anyway.
-        path, line, _ = item.location
-        found = (str(item.config.rootpath / path), (line or 0) + 1)
-        item.stash[DEFINITION] = found
-    return found
+    running = _current(item)
+    if running is not None:
+        return running.definition
+    path, line, _ = item.location
+    return (os.path.join(item.config.stash[SESSION].rootdir, path), (line or 0) + 1)
 
 
 def _budgets_or_fail(item: pytest.Item) -> Budgets:
@@ -473,13 +497,19 @@ def _enter(running: RunningTest, when: str, *, named: bool = True) -> None:
     scopes it left open."""
     if running.when == when:
         return  # a wrapper for the phase's budget did it already
+    process = running.process
+    stack = running.stack
+    ending = stack.prefix
+    if process.trace is not None and running.when and ending != running.outer_prefix:
+        process.traced(ending, running.started, stack.tid, False)  # every phase shows
     running.when = when
-    scopes.process_state().set_phase(when)
-    if running.phase is not None:
-        scopes.leave_phase(running.phase)
-        running.phase = None
-    if named:
-        running.phase = scopes.enter_phase(f"{running.item.name}::{when}")
+    if when:
+        process.set_phase(when)
+    if len(stack) > running.depth:
+        scopes.close_above(stack, running.depth, ending)
+    stack.prefix = f"{running.name}::{when}" if named else running.outer_prefix
+    if process.trace is not None:
+        running.started = time.monotonic()
 
 
 def _begin(item: pytest.Item, *, named: bool = True) -> None:
@@ -489,19 +519,20 @@ def _begin(item: pytest.Item, *, named: bool = True) -> None:
         if running.when == "setup":
             return  # a wrapper for the setup budget did it already
         _finish(_running.pop())  # the same test runs again (a plugin that reruns tests)
-    process = scopes.process_state()
+    state = item.config.stash[SESSION]
+    running = RunningTest(item, state)
+    process = running.process
     if process.sock is not None and not process.watchdog_alive(every=1.0):
         _watchdog_lost(item)
-    running = RunningTest(item, item.nodeid, item.config.stash[SESSION])
     _running.append(running)
-    process.set_nodeid(running.nodeid)
+    path, line = running.definition
+    process.set_test(running.nodeid, running.name, f"{path}:{line}")
     _enter(running, "setup", named=named)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     _begin(item)
-    _budgets_or_fail(item)
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -513,17 +544,27 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
             running.children = leaks.snapshot()
         # With a budget, the call's scope names the phase.
         _enter(running, "call", named=budgets.call is None)
-    if budgets.call is None:
-        try:
-            return (yield)
-        except BaseException:
-            _watch_failures(item.config)  # before pytest makes the call's report
-            raise
-    scope = _phase_scope(item, "call", budgets.call, budgets.grace)
-    item.stash[CALL_SCOPE] = scope
     try:
-        with scope:
+        if budgets.call is None:
             return (yield)
+        scope = TimerRequest.__new__(TimerRequest)  # checked at collection already
+        scope.after = budgets.call
+        scope.scope = None
+        scope.grace = budgets.grace
+        scope.flags = tbl.FLAG_TEST_PHASE | tbl.PHASE_FLAGS["call"]
+        if running is not None:
+            scope.at = running.definition
+            running.call_scope = scope
+        else:
+            scope.at = _definition(item)
+        scopes.enter_test_phase(scope, f"{item.name}::call")
+        try:
+            result = yield
+        except BaseException as exc:
+            scope.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        scope.__exit__(None, None, None)
+        return result
     except BaseException:
         _watch_failures(item.config)  # before pytest makes the call's report
         raise
@@ -543,12 +584,10 @@ def pytest_runtest_logfinish(nodeid: str) -> None:
 
 def _finish(running: RunningTest) -> None:
     """After the test's teardown: its scopes are over, its leftover processes found."""
-    process = scopes.process_state()
-    if running.phase is not None:
-        scopes.leave_phase(running.phase)
-        running.phase = None
+    _enter(running, "", named=False)
+    process = running.process
     # Back to the test that runs this session in-process, if any.
-    process.set_nodeid(_running[-1].nodeid if _running else "")
+    process.restore_test(_running[-1].nodeid if _running else "", running.outer_sid)
     process.set_phase(_running[-1].when if _running else "between tests")
     if running.children is not None:
         _check_leaks(running)
@@ -730,7 +769,8 @@ class ElasticTimer:
 
     def remaining(self) -> float:
         """Seconds left in the call phase (``inf`` when unbounded)."""
-        scope = self._item.stash.get(CALL_SCOPE, None)
+        running = _current(self._item)
+        scope = running.call_scope if running is not None else None
         if scope is not None and scope.active:
             return scope.expires()
         budget = self.budget

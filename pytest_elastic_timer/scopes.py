@@ -150,6 +150,15 @@ def _thread_stack() -> _Stack:
     return stack
 
 
+def thread_stack() -> _Stack:
+    """The calling thread's stack of open scopes."""
+    try:
+        stack: _Stack = _tls.stack
+    except AttributeError:
+        stack = _thread_stack()
+    return stack
+
+
 def process_state() -> client.ProcessState:
     """This process's state, set up (and connected to the watchdog) on first use."""
     global _state
@@ -472,6 +481,8 @@ class TimerRequest:
     @property
     def site(self) -> str:
         """``file:line`` where the scope was entered ("" before that)."""
+        if self.at is not None:
+            return f"{self.at[0]}:{self.at[1]}"
         state = self._state or _state
         return state.table.string(self._site_sid) if state is not None else ""
 
@@ -481,6 +492,55 @@ class TimerRequest:
 
     def __repr__(self) -> str:
         return f"<TimerRequest {self.path or self.scope!r} after={self.after}>"
+
+
+def enter_test_phase(scope: TimerRequest, name: str) -> None:
+    """Enter ``scope``, a test phase's (flags ``FLAG_TEST_PHASE``), named ``name``.
+
+    The plugin's hot path for every test: no call site to look up and no string to
+    write, because the watchdog names such a slot after the test entry of the table
+    (``ProcessState.set_test``). Leave it with ``scope.__exit__``.
+    """
+    if scope._state is not None:
+        raise RuntimeError(f"scope {scope.path!r} is already active")
+    state = _state or process_state()
+    try:
+        stack: _Stack = _tls.stack
+    except AttributeError:
+        stack = _thread_stack()
+    parent = stack[-1].path if stack else stack.prefix
+    scope.path = f"{parent}/{name}" if parent else name
+    scope._state = state
+    scope._stack = stack
+    now = scope._start = monotonic()
+    after = scope.after
+    assert after is not None
+    deadline = scope._deadline = now + after * state.scale
+    free = state.free
+    slot = scope._slot = free.pop() if free else state.alloc()
+    serial = scope._serial = state.next_serial()
+    grace = scope.grace
+    _PACK_SLOT(
+        state.table.mm,
+        _SLOTS_OFFSET + slot * _SLOT_SIZE,
+        0,
+        deadline,
+        now,
+        stack.tid,
+        0,
+        0,
+        state.nodeid_sid,
+        0.0 if grace is None else grace,
+        len(stack),
+        scope.flags,
+        0,
+        serial,
+    )
+    state.table.slot_words[slot << 3] = serial  # last, as in __enter__
+    armed = state.armed[_H_ARMED]
+    if deadline < armed or not armed:
+        state.notify(deadline)
+    stack.append(scope)
 
 
 # ``expires(after, scope=None, *, grace=None)``: a scope that must end within ``after``
@@ -530,6 +590,11 @@ def set_label(label: str) -> None:
     if not isinstance(label, str):
         raise TypeError(f"label must be a str, not {label!r}")
     process_state().set_label(label)
+
+
+def close_above(stack: _Stack, depth: int, ending: str) -> None:
+    """Close the scopes of ``stack`` from ``depth`` up, which ``ending`` outlived."""
+    _close_above(stack, depth, ending)
 
 
 def _close_abandoned(stack: _Stack, scope: TimerRequest) -> None:
@@ -802,6 +867,7 @@ _CRITICAL.update(
         TimerRequest.__exit__.__code__,
         TimerRequest._set_deadline.__code__,
         TimerRequest.cancel.__code__,
+        enter_test_phase.__code__,
         client.ProcessState.alloc.__code__,
         client.ProcessState.notify.__code__,
         client.ProcessState.send.__code__,

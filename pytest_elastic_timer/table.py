@@ -62,6 +62,27 @@ H_PHASE_SID = 12  # u64: what the owner's pytest is doing (collection, setup, ca
 
 # Slot flags.
 FLAG_TEST_PHASE = 1  # the scope of a test phase (setup/call/teardown), entered by the plugin
+# Which phase, in bits 1-2 of a test phase's flags. Such a slot may have no path and no
+# site of its own: they follow from the test entry its nodeid sid points at.
+PHASE_FLAGS = {"setup": 1 << 1, "call": 2 << 1, "teardown": 3 << 1}
+_PHASE_NAMES = {code: name for name, code in PHASE_FLAGS.items()}
+
+
+def test_entry(nodeid: str, name: str, definition: str) -> str:
+    """One test's string in the table: nodeid, name and ``file:line`` of its definition."""
+    return f"{nodeid}\0{name}\0{definition}"
+
+
+def split_test_entry(text: str) -> tuple[str, str, str]:
+    """(nodeid, name, definition) of a :func:`test_entry` (a bare nodeid: no others)."""
+    parts = text.split("\0", 2)
+    return (parts[0], parts[1], parts[2]) if len(parts) == 3 else (text, "", "")
+
+
+def phase_of(flags: int) -> str:
+    """The test phase a test phase slot's flags name ("" if none)."""
+    return _PHASE_NAMES.get(flags & (3 << 1), "") if flags & FLAG_TEST_PHASE else ""
+
 
 assert SLOT_SIZE == 64
 

@@ -373,12 +373,18 @@ class Watchdog:
             return
         slot = again
         table = owner.table
+        nodeid, name, definition = tbl.split_test_entry(table.string(slot.nodeid_sid))
+        path = table.string(slot.path_sid)
+        site = table.string(slot.site_sid)
+        phase = tbl.phase_of(slot.flags)
+        if phase and not path:  # a test phase's scope: named after its test
+            path, site = f"{name}::{phase}", site or definition
         expiry = Expiry(
             slot=slot.index,
             serial=slot.serial,
-            path=table.string(slot.path_sid),
-            site=table.string(slot.site_sid),
-            nodeid=table.string(slot.nodeid_sid),
+            path=path,
+            site=site,
+            nodeid=nodeid,
             start=slot.start,
             deadline=slot.deadline,
             grace=slot.grace if slot.grace > 0 else self.grace,
