@@ -383,15 +383,20 @@ def collect_phases(session: pytest.Session, state: CiState) -> None:
             return known[index[when]]
         return call_default if when == "call" else None
 
+    every = [b for known in budgets.values() for b in known if b] + [call_default or 0.0]
+    smallest = min((b for b in every if b), default=0.0)
+    threshold = slow * smallest if slow and smallest else math.inf
+    # The hot loop of the session's end: one pass over every report.
+    phases = ("setup", "call", "teardown")
     for report in reports:
         when = report.when
-        if when not in index:
+        if when not in phases:
             continue
         nodeid = report.nodeid
         seconds = report.duration
         if seconds > get(nodeid, -1.0):
             longest[nodeid] = seconds
-        if slow and (nodeid in budgets or when == "call"):
+        if seconds >= threshold:  # a phase that may be slow: look at its budget
             budget = budget_of(nodeid, when)
             if budget and slow * budget <= seconds <= budget and nodeid not in state.expired:
                 slow_found.append(PhaseTime(nodeid, when, seconds, budget))

@@ -267,6 +267,11 @@ class ProcessState:
     def set_phase(self, phase: str) -> None:
         self.table.words[tbl.H_PHASE_SID] = self.sid(phase)
 
+    def phase_sid(self, phase: str) -> int:
+        """The sid of the phase name ``phase`` (each one written to the table once)."""
+        sid = self.sids.get(phase)
+        return self.sid(phase) if sid is None else sid
+
     def set_nodeid(self, nodeid: str) -> None:
         self.nodeid = nodeid
         self.nodeid_sid = self.sid(nodeid)

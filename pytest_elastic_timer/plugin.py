@@ -341,29 +341,54 @@ def pytest_sessionfinish(session: pytest.Session) -> Generator[None, None, None]
 def pytest_make_collect_report(collector: pytest.Collector) -> Any:
     # Once per collector, not per test: a bad marker fails its module's collection.
     report = yield
-    if report.passed:
-        for item in report.result:
-            if isinstance(item, pytest.Item):
-                try:
-                    budgets_of(item)
-                except ValueError as exc:
-                    report.outcome = "failed"
-                    report.longrepr = str(exc)
-                    report.result = []
-                    break
+    if report.passed and report.result:
+        try:
+            _budget_items(collector.config, report.result)
+        except ValueError as exc:
+            report.outcome = "failed"
+            report.longrepr = str(exc)
+            report.result = []
     return report
 
 
-def _marker(item: pytest.Item) -> pytest.Mark | None:
+def _budget_items(config: pytest.Config, nodes: list[Any]) -> None:
+    """Give each item of ``nodes`` its budgets; the markers of their parents are looked
+    up once per parent, not once per test."""
+    default = config.stash[SESSION].settings.default_budgets
+    above: dict[int, tuple[Any, pytest.Mark | None]] = {}
+    for node in nodes:
+        if not isinstance(node, pytest.Item):
+            continue
+        mark = None
+        for own in node.own_markers:
+            if own.name == "expires":
+                mark = own
+                break
+        else:
+            parent = node.parent
+            known = above.get(id(parent))
+            if known is None or known[0] is not parent:
+                known = above[id(parent)] = (parent, _marker(parent))
+            mark = known[1]
+        node.stash[BUDGETS] = default if mark is None else _budgets_from(node, mark)
+
+
+def _marker(node: pytest.Item | pytest.Collector | None) -> pytest.Mark | None:
     # get_closest_marker() with its two generators costs more than the rest of
-    # budgets_of(); the same search, from the test up.
-    node: Any = item
+    # budgets_of(); the same search, from the node up.
     while node is not None:
         for mark in node.own_markers:
             if mark.name == "expires":
-                return mark  # type: ignore[no-any-return]
+                return mark
         node = node.parent
     return None
+
+
+def _budgets_from(item: pytest.Item, marker: pytest.Mark) -> Budgets:
+    budgets = _parse_marker(item.nodeid, marker.args, marker.kwargs)
+    if budgets.setup is not None or budgets.teardown is not None:
+        _need_phase_budgets(item.config)
+    return budgets
 
 
 def budgets_of(item: pytest.Item) -> Budgets:
@@ -371,14 +396,11 @@ def budgets_of(item: pytest.Item) -> Budgets:
     cached = item.stash.get(BUDGETS, None)
     if cached is not None:
         return cached
-    settings = item.config.stash[SESSION].settings
     marker = _marker(item)
     if marker is None:
-        budgets = settings.default_budgets
+        budgets = item.config.stash[SESSION].settings.default_budgets
     else:
-        budgets = _parse_marker(item.nodeid, marker.args, marker.kwargs)
-        if budgets.setup is not None or budgets.teardown is not None:
-            _need_phase_budgets(item.config)
+        budgets = _budgets_from(item, marker)
     item.stash[BUDGETS] = budgets
     return budgets
 
@@ -435,6 +457,7 @@ class RunningTest:
         "started",
         "state",
         "when",
+        "words",
     )
 
     def __init__(self, item: pytest.Item, state: SessionState) -> None:
@@ -443,6 +466,7 @@ class RunningTest:
         self.name = item.name
         self.state = state
         process = self.process = scopes.process_state()
+        self.words = process.table.words
         stack = self.stack = scopes.thread_stack()
         self.when = ""
         self.depth = len(stack)  # scopes above this depth are the test's own
@@ -452,7 +476,7 @@ class RunningTest:
         self.children: bytes | None = None  # this process's children when the call began
         self.call_scope: TimerRequest | None = None
         path, line, _ = item.location  # computed (and cached) by pytest before setup
-        where = path if os.path.isabs(path) else f"{state.rootdir}/{path}"
+        where = path if path.startswith("/") else f"{state.rootdir}/{path}"
         self.definition = (where, (line or 0) + 1)
 
 
@@ -497,19 +521,23 @@ def _enter(running: RunningTest, when: str, *, named: bool = True) -> None:
     scopes it left open."""
     if running.when == when:
         return  # a wrapper for the phase's budget did it already
-    process = running.process
     stack = running.stack
-    ending = stack.prefix
-    if process.trace is not None and running.when and ending != running.outer_prefix:
-        process.traced(ending, running.started, stack.tid, False)  # every phase shows
+    if running.process.trace is not None:
+        _trace_phase(running)
     running.when = when
     if when:
-        process.set_phase(when)
+        running.words[tbl.H_PHASE_SID] = running.process.phase_sid(when)
     if len(stack) > running.depth:
-        scopes.close_above(stack, running.depth, ending)
+        scopes.close_above(stack, running.depth, stack.prefix)
     stack.prefix = f"{running.name}::{when}" if named else running.outer_prefix
-    if process.trace is not None:
-        running.started = time.monotonic()
+
+
+def _trace_phase(running: RunningTest) -> None:
+    """The timeline shows every phase without a scope of its own."""
+    stack = running.stack
+    if running.when and stack.prefix != running.outer_prefix:
+        running.process.traced(stack.prefix, running.started, stack.tid, False)
+    running.started = time.monotonic()
 
 
 def _begin(item: pytest.Item, *, named: bool = True) -> None:
@@ -561,9 +589,9 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
         try:
             result = yield
         except BaseException as exc:
-            scope.__exit__(type(exc), exc, exc.__traceback__)
+            scopes.leave_test_phase(scope, exc)
             raise
-        scope.__exit__(None, None, None)
+        scopes.leave_test_phase(scope, None)
         return result
     except BaseException:
         _watch_failures(item.config)  # before pytest makes the call's report

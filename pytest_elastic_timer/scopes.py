@@ -543,6 +543,35 @@ def enter_test_phase(scope: TimerRequest, name: str) -> None:
     stack.append(scope)
 
 
+def leave_test_phase(scope: TimerRequest, exc: BaseException | None) -> None:
+    """Leave a scope of :func:`enter_test_phase`; ``exc`` is what ends the phase.
+
+    The common case (in time, innermost, no trace) inline; everything else, and every
+    overrun, takes ``__exit__``.
+    """
+    __tracebackhide__ = True
+    state = scope._state
+    stack = scope._stack
+    if (
+        state is None
+        or state is not _state
+        or scope._delivered
+        or state.trace is not None
+        or not stack
+        or stack[-1] is not scope
+        or (exc is None and not scope._cancelled and monotonic() > scope._deadline)
+    ):
+        scope.__exit__(None if exc is None else type(exc), exc, None)
+        return
+    scope._state = None
+    stack.pop()
+    slot = scope._slot
+    if slot >= 0:
+        state.table.slot_words[slot << 3] = 0
+        state.free.append(slot)
+        scope._slot = -1
+
+
 # ``expires(after, scope=None, *, grace=None)``: a scope that must end within ``after``
 # seconds, ``with expires(2, "allreduce"):``; the default scope name is the caller's
 # ``file:line``. The class itself, not a factory function: one Python call less on
@@ -868,6 +897,7 @@ _CRITICAL.update(
         TimerRequest._set_deadline.__code__,
         TimerRequest.cancel.__code__,
         enter_test_phase.__code__,
+        leave_test_phase.__code__,
         client.ProcessState.alloc.__code__,
         client.ProcessState.notify.__code__,
         client.ProcessState.send.__code__,
