@@ -453,9 +453,11 @@ class RunningTest:
         "outer_prefix",
         "outer_sid",
         "process",
+        "sids",
         "stack",
         "started",
         "state",
+        "tracing",
         "when",
         "words",
     )
@@ -467,6 +469,8 @@ class RunningTest:
         self.state = state
         process = self.process = scopes.process_state()
         self.words = process.table.words
+        self.sids = process.sids
+        self.tracing = process.trace is not None
         stack = self.stack = scopes.thread_stack()
         self.when = ""
         self.depth = len(stack)  # scopes above this depth are the test's own
@@ -522,11 +526,14 @@ def _enter(running: RunningTest, when: str, *, named: bool = True) -> None:
     if running.when == when:
         return  # a wrapper for the phase's budget did it already
     stack = running.stack
-    if running.process.trace is not None:
+    if running.tracing:
         _trace_phase(running)
     running.when = when
     if when:
-        running.words[tbl.H_PHASE_SID] = running.process.phase_sid(when)
+        try:
+            running.words[tbl.H_PHASE_SID] = running.sids[when]
+        except KeyError:
+            running.words[tbl.H_PHASE_SID] = running.process.phase_sid(when)
     if len(stack) > running.depth:
         scopes.close_above(stack, running.depth, stack.prefix)
     stack.prefix = f"{running.name}::{when}" if named else running.outer_prefix
