@@ -367,15 +367,10 @@ def collect_phases(session: pytest.Session, state: CiState) -> None:
         state.budgets.update(_item_budgets(session))
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     stats: dict[str, list[Any]] = getattr(reporter, "stats", None) or {}
-    reports = [
-        r for group in list(stats.values()) for r in group if isinstance(r, pytest.TestReport)
-    ]
+    groups = list(stats.values())
     budgets = state.budgets
     index = {"setup": 0, "call": 1, "teardown": 2}
-    longest: dict[str, float] = {}
-    get = longest.get
     slow = state.slow
-    slow_found = state.slow_found
 
     def budget_of(nodeid: str, when: str) -> float | None:
         known = budgets.get(nodeid)
@@ -386,35 +381,47 @@ def collect_phases(session: pytest.Session, state: CiState) -> None:
     every = [b for known in budgets.values() for b in known if b] + [call_default or 0.0]
     smallest = min((b for b in every if b), default=0.0)
     threshold = slow * smallest if slow and smallest else math.inf
-    # The hot loop of the session's end: one pass over every report.
-    phases = ("setup", "call", "teardown")
-    for report in reports:
-        when = report.when
-        if when not in phases:
-            continue
-        nodeid = report.nodeid
-        seconds = report.duration
-        if seconds > get(nodeid, -1.0):
-            longest[nodeid] = seconds
-        if seconds >= threshold:  # a phase that may be slow: look at its budget
-            budget = budget_of(nodeid, when)
-            if budget and slow * budget <= seconds <= budget and nodeid not in state.expired:
-                slow_found.append(PhaseTime(nodeid, when, seconds, budget))
-    slow_found.sort(key=lambda p: -(p.share or 0.0))
+    # The hot loop of the session's end: every report once. Only the JSON report lists
+    # the slowest tests, so only with one is every phase's test looked at.
+    ranked = settings.report is not None
+    longest: dict[str, float] = {}
+    get = longest.get
+    for group in groups:
+        for report in group:
+            seconds = getattr(report, "duration", None)  # warnings have none
+            if seconds is None or report.when not in index:
+                continue
+            if ranked:
+                nodeid = report.nodeid
+                if seconds > get(nodeid, -1.0):
+                    longest[nodeid] = seconds
+            if seconds >= threshold:  # a phase that may be slow: look at its budget
+                nodeid, when = report.nodeid, report.when
+                budget = budget_of(nodeid, when)
+                if budget and slow * budget <= seconds <= budget and nodeid not in state.expired:
+                    state.slow_found.append(PhaseTime(nodeid, when, seconds, budget))
+    state.slow_found.sort(key=lambda p: -(p.share or 0.0))
     wanted = set(heapq.nlargest(SLOWEST_TESTS, longest, key=longest.__getitem__))
-    for report in reports:
-        nodeid = report.nodeid
-        if nodeid in wanted and report.when in index:
-            state.raw_phases.append(
-                (nodeid, report.when, report.duration, budget_of(nodeid, report.when), False)
-            )
-            if nodeid not in state.locations:
-                state.locations[nodeid] = (report.location[0], report.location[1])
-    for nodeid in state.expired:  # where GitHub annotations of expired tests point
-        for report in reports:
-            if report.nodeid == nodeid:
+    wanted.update(state.expired)  # where GitHub annotations of expired tests point
+    if not wanted:
+        return
+    for group in groups:
+        for report in group:
+            if getattr(report, "when", None) not in index:
+                continue
+            nodeid = report.nodeid
+            if nodeid in wanted:
+                if nodeid in longest:
+                    state.raw_phases.append(
+                        (
+                            nodeid,
+                            report.when,
+                            report.duration,
+                            budget_of(nodeid, report.when),
+                            False,
+                        )
+                    )
                 state.locations.setdefault(nodeid, (report.location[0], report.location[1]))
-                break
 
 
 def _expired_of(config: pytest.Config, report: pytest.TestReport) -> list[ExpiryRecord]:

@@ -278,9 +278,9 @@ class ProcessState:
 
     def set_test(self, nodeid: str, name: str, definition: str) -> None:
         """The test this process runs from now on; its one string in the table names
-        the test's phase scopes too (see ``table.test_entry``)."""
+        the test's phase scopes too (the format of ``table.test_entry``, inlined)."""
         self.nodeid = nodeid
-        self.nodeid_sid = self.table.add_string(tbl.test_entry(nodeid, name, definition))
+        self.nodeid_sid = self.table.add_string(f"{nodeid}\0{name}\0{definition}")
 
     def restore_test(self, nodeid: str, sid: int) -> None:
         """Back to an earlier test (or none), as :meth:`set_test` had written it."""
@@ -359,7 +359,7 @@ class ProcessState:
         now = time.monotonic()
         if now - self.alive_checked < every:
             return True
-        self.alive_checked = now
+        self.alive_checked = now  # also read by the plugin, to call this less often
         try:
             data = sock.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK)
         except BlockingIOError:

@@ -557,7 +557,11 @@ def _begin(item: pytest.Item, *, named: bool = True) -> None:
     state = item.config.stash[SESSION]
     running = RunningTest(item, state)
     process = running.process
-    if process.sock is not None and not process.watchdog_alive(every=1.0):
+    if (
+        process.sock is not None
+        and time.monotonic() - process.alive_checked >= 1.0
+        and not process.watchdog_alive()
+    ):
         _watchdog_lost(item)
     _running.append(running)
     path, line = running.definition

@@ -170,14 +170,19 @@ class ScopeTable:
     # -- strings ------------------------------------------------------------------
     def add_string(self, text: str) -> int:
         """Append ``text`` and return its sid (0 if the strings area is full)."""
-        data = text.encode("utf-8", "replace")[:4096]
-        used = self.words[H_STRINGS_USED]
-        if used + 4 + len(data) > STRINGS_SIZE:
+        data = text.encode("utf-8", "replace")
+        size = len(data)
+        if size > 4096:
+            data = data[:4096]
+            size = 4096
+        words = self.words
+        used = words[H_STRINGS_USED]
+        end = used + 4 + size
+        if end > STRINGS_SIZE:
             return 0
-        offset = STRINGS_OFFSET + used
-        _U32.pack_into(self.mm, offset, len(data))
-        self.mm[offset + 4 : offset + 4 + len(data)] = data
-        self.words[H_STRINGS_USED] = used + 4 + len(data)
+        # Length and bytes in one write: every test writes one string.
+        self.mm[STRINGS_OFFSET + used : STRINGS_OFFSET + end] = _U32.pack(size) + data
+        words[H_STRINGS_USED] = end
         return used + 1
 
     def string(self, sid: int) -> str:
