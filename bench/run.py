@@ -30,8 +30,15 @@ BENCHMARKS = {
     "per_test": "2. Per-test overhead",
     "latency": "3. Expiry latency",
     "watchdog_load": "4. Watchdog idle CPU, throughput and memory",
+    "load": "5. Many processes with nested scopes and expiries",
 }
-TIMEOUTS = {"scope_cost": 300, "per_test": 900, "latency": 300, "watchdog_load": 300}
+TIMEOUTS = {
+    "scope_cost": 300,
+    "per_test": 900,
+    "latency": 300,
+    "watchdog_load": 300,
+    "load": 300,
+}
 RESULTS = os.path.join(common.BENCH_DIR, "results")
 DOCS = os.path.join(common.REPO, "docs", "benchmarks.md")
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"

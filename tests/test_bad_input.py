@@ -218,3 +218,34 @@ def test_reschedule_and_extend_reject_bad_values() -> None:
 def test_set_label_rejects_non_strings() -> None:
     with pytest.raises(TypeError, match="label must be a str"):
         et.set_label(0)  # type: ignore[arg-type]
+
+
+def test_bad_marker_on_a_module_or_class_names_a_test(pytester: pytest.Pytester) -> None:
+    # Markers of parents are read once per parent: the error still names a test.
+    pytester.makepyfile(
+        test_module="""
+        import pytest
+
+        pytestmark = pytest.mark.expires(-1)
+
+        def test_in_module():
+            pass
+        """,
+        test_class="""
+        import pytest
+
+        @pytest.mark.expires(float("nan"))
+        class TestGroup:
+            def test_in_class(self):
+                pass
+        """,
+        test_good="def test_good():\n    pass\n",
+    )
+    session = run(pytester, "--continue-on-collection-errors", report=False)
+    session.assert_clean()
+    session.result.assert_outcomes(passed=1, errors=2)
+    text = "\n".join(session.lines)
+    assert "test_module.py::test_in_module: @pytest.mark.expires" in text
+    assert "-1" in text
+    assert "test_class.py::TestGroup::test_in_class: @pytest.mark.expires" in text
+    assert "nan" in text

@@ -913,3 +913,81 @@ def test_huge_budget_does_not_kill_the_watchdog(pytester: pytest.Pytester) -> No
     session.assert_clean()
     session.result.assert_outcomes(passed=1, failed=1)
     session.assert_expired("test_later", "test_later::call", 0.3)
+
+
+def test_parent_markers_and_the_default_budget_reach_every_test(
+    pytester: pytest.Pytester,
+) -> None:
+    """Budgets from a module's pytestmark, a class marker, a test's own marker (which
+    wins) and --expires, as the watchdog's records name them."""
+    pytester.makepyfile(
+        test_budgets="""
+        import time
+        import pytest
+
+        pytestmark = pytest.mark.expires(0.4)
+
+        def test_module():
+            time.sleep(30)
+
+        @pytest.mark.expires(0.6)
+        class TestGroup:
+            def test_class(self):
+                time.sleep(30)
+
+            @pytest.mark.expires(0.3)
+            def test_own(self):
+                time.sleep(30)
+        """,
+        test_default="""
+        import time
+
+        def test_default():
+            time.sleep(30)
+        """,
+    )
+    session = run(pytester, "--expires=0.5")
+    session.assert_clean()
+    session.result.assert_outcomes(failed=4)
+    assert session.report is not None
+    budgets = {r["nodeid"]: (r["scope"], r["budget"]) for r in session.report["expired"]}
+    assert budgets == {
+        "test_budgets.py::test_module": ("test_module::call", 0.4),
+        "test_budgets.py::TestGroup::test_class": ("test_class::call", 0.6),
+        "test_budgets.py::TestGroup::test_own": ("test_own::call", 0.3),
+        "test_default.py::test_default": ("test_default::call", 0.5),
+    }
+    for record in session.report["expired"]:  # placed where the test is defined
+        assert record["file"].endswith(record["nodeid"].split("::")[0])
+        assert record["line"] > 0
+
+
+def test_an_expiry_after_an_ordinary_failure_still_reads_timeout(
+    pytester: pytest.Pytester,
+) -> None:
+    """Report hooks are registered at the first failure: the first one is a plain
+    assertion, the second an expiry, the third passes."""
+    pytester.makepyfile(
+        test_order="""
+        import time
+        import pytest
+
+        def test_a_fails():
+            assert 1 == 2
+
+        @pytest.mark.expires(0.3)
+        def test_b_hangs():
+            time.sleep(30)
+
+        def test_c_passes():
+            pass
+        """
+    )
+    session = run(pytester, "-v", "-p", "no:randomly")
+    session.assert_clean()
+    session.result.assert_outcomes(failed=2, passed=1)
+    lines = session.lines
+    assert any(re.search(r"test_a_fails FAILED", line) for line in lines)
+    assert any(re.search(r"test_b_hangs TIMEOUT", line) for line in lines)
+    assert any(line.startswith("TIMEOUT test_order.py::test_b_hangs") for line in lines)
+    assert any(line.startswith("FAILED test_order.py::test_a_fails") for line in lines)

@@ -340,3 +340,27 @@ def test_write_report(tmp_path: Path) -> None:
     assert record["scope"] == "test_x::call/load"
     assert records.ExpiryRecord.from_json({**record, "unknown": 1}) == _record()
     assert [p.name for p in path.parent.iterdir()] == ["report.json"]
+
+
+def test_test_entry_round_trip(table: tbl.ScopeTable) -> None:
+    entry = tbl.test_entry("t.py::Test::test_x[a::b]", "test_x[a::b]", "/r/t.py:12")
+    sid = table.add_string(entry)
+    assert tbl.split_test_entry(table.string(sid)) == (
+        "t.py::Test::test_x[a::b]",
+        "test_x[a::b]",
+        "/r/t.py:12",
+    )
+    assert tbl.split_test_entry("t.py::test_plain") == ("t.py::test_plain", "", "")
+
+
+def test_phase_flags_name_the_phase() -> None:
+    for phase, bits in tbl.PHASE_FLAGS.items():
+        assert tbl.phase_of(tbl.FLAG_TEST_PHASE | bits) == phase
+        assert tbl.phase_of(bits) == ""  # not a test phase's scope
+    assert tbl.phase_of(0) == ""
+
+
+def test_long_strings_are_cut_at_4096_bytes(table: tbl.ScopeTable) -> None:
+    sid = table.add_string("é" * 5000)
+    assert len(table.string(sid).encode("utf-8", "replace")) <= 4096
+    assert table.string(table.add_string("next")) == "next"
