@@ -426,14 +426,11 @@ class Sentinel:
             with self.cond:
                 now = time.monotonic()
                 floats[tbl.H_ARMED] = 0.0
-                earliest = float("inf")
-                for slot in self.table.open_slots():
-                    if slot.deadline <= now:
-                        if slot.serial not in self.fired and not floats[tbl.H_SUSPENDED]:
-                            self.fired.add(slot.serial)
-                            self._interrupt()
-                    else:
-                        earliest = min(earliest, slot.deadline)
+                earliest, due = self.table.due_slots(now)
+                for slot in due:
+                    if slot.serial not in self.fired and not floats[tbl.H_SUSPENDED]:
+                        self.fired.add(slot.serial)
+                        self._interrupt()
                 floats[tbl.H_ARMED] = earliest
                 timeout = None if earliest == float("inf") else max(0.0, earliest - now)
                 self.cond.wait(timeout)

@@ -345,12 +345,10 @@ class Watchdog:
         table = owner.table
         table.floats[tbl.H_ARMED] = 0.0  # until this scan is done, every entry notifies
         suspended = table.floats[tbl.H_SUSPENDED]
-        earliest = float("inf")
+        earliest, due = table.due_slots(now)
         busy_threads = {e.thread_id for e in owner.expiries.values()}
-        for slot in sorted(table.open_slots(), key=lambda s: s.depth):
-            if slot.deadline > now:
-                earliest = min(earliest, slot.deadline)
-            elif suspended or slot.serial in owner.expiries or slot.serial in owner.finished:
+        for slot in sorted(due, key=lambda s: s.depth):  # outermost first
+            if suspended or slot.serial in owner.expiries or slot.serial in owner.finished:
                 continue
             elif slot.thread_id in busy_threads:
                 continue  # an enclosing scope of this thread is already escalating

@@ -364,3 +364,15 @@ def test_long_strings_are_cut_at_4096_bytes(table: tbl.ScopeTable) -> None:
     sid = table.add_string("é" * 5000)
     assert len(table.string(sid).encode("utf-8", "replace")) <= 4096
     assert table.string(table.add_string("next")) == "next"
+
+
+def test_due_slots_splits_open_slots_at_now(table: tbl.ScopeTable) -> None:
+    table.words[tbl.H_HWM] = 4
+    table.write_slot(0, 11, 5.0, 1.0, 7, 0, 0, 0, 0.0, 0, 0)  # due
+    table.write_slot(1, 12, 20.0, 1.0, 7, 0, 0, 0, 0.0, 1, 0)  # later
+    table.write_slot(2, 13, 15.0, 1.0, 7, 0, 0, 0, 0.0, 2, 0)  # later, earliest
+    table.write_slot(3, 14, 2.0, 1.0, 7, 0, 0, 0, 0.0, 3, 0)
+    table.clear_slot(3)  # closed: neither due nor counted
+    earliest, due = table.due_slots(10.0)
+    assert earliest == 15.0
+    assert [(s.index, s.serial) for s in due] == [(0, 11)]
