@@ -81,7 +81,6 @@ class PhaseTime:
     when: str
     seconds: float
     budget: float | None
-    expired: bool = False
 
     @property
     def scope(self) -> str:
@@ -117,16 +116,15 @@ class CiState:
     trace: str | None = None
     expired: dict[str, list[ExpiryRecord]] = field(default_factory=dict)
     locations: dict[str, tuple[str, int | None]] = field(default_factory=dict)
-    # (nodeid, when, seconds, budget, expired) per phase of the slowest tests, and the
+    # (nodeid, when, seconds, budget) per phase of the slowest tests, and the
     # slow phases: read from the terminal's reports once the session ends.
-    raw_phases: list[tuple[str, str, float, float | None, bool]] = field(default_factory=list)
+    raw_phases: list[tuple[str, str, float, float | None]] = field(default_factory=list)
     slow_found: list[PhaseTime] = field(default_factory=list)
     # Budgets of tests that differ from the default (a marker), scaled: from the items,
     # or from each xdist worker's output.
     budgets: dict[str, tuple[float | None, float | None, float | None]] = field(
         default_factory=dict
     )
-    default_call: float | None = None
     collected: bool = False
 
     exitstatus: int | None = None
@@ -418,7 +416,6 @@ def collect_phases(session: pytest.Session, state: CiState) -> None:
                             report.when,
                             report.duration,
                             budget_of(nodeid, report.when),
-                            False,
                         )
                     )
                 state.locations.setdefault(nodeid, (report.location[0], report.location[1]))
@@ -657,7 +654,7 @@ def session_end(config: pytest.Config) -> dict[str, Any]:
 
 
 def slowest(
-    phases: Sequence[tuple[str, str, float, float | None, bool]],
+    phases: Sequence[tuple[str, str, float, float | None]],
     events: list[dict[str, Any]],
     expired: Sequence[ExpiryRecord] = (),
     tests: int = SLOWEST_TESTS,
@@ -669,7 +666,7 @@ def slowest(
     # the few tests that make the list.
     longest: dict[str, float] = {}
     get = longest.get
-    for nodeid, _, seconds, _, _ in phases:
+    for nodeid, _, seconds, _ in phases:
         if seconds > get(nodeid, -1.0):
             longest[nodeid] = seconds
     timed = [(e, str(e.get("nodeid") or "")) for e in events]
@@ -682,7 +679,7 @@ def slowest(
     wanted = set(top)
     budgets = {(r.nodeid, r.scope): r.budget for r in expired}
     by_test: dict[str, dict[str, dict[str, Any]]] = {nodeid: {} for nodeid in top}
-    for nodeid, when, seconds, budget, _ in phases:
+    for nodeid, when, seconds, budget in phases:
         if nodeid in wanted:
             scope = f"{nodeid.rsplit('::', 1)[-1]}::{when}"
             by_test[nodeid][scope] = {

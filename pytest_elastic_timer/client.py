@@ -267,20 +267,15 @@ class ProcessState:
     def set_phase(self, phase: str) -> None:
         self.table.words[tbl.H_PHASE_SID] = self.sid(phase)
 
-    def phase_sid(self, phase: str) -> int:
-        """The sid of the phase name ``phase`` (each one written to the table once)."""
-        sid = self.sids.get(phase)
-        return self.sid(phase) if sid is None else sid
-
     def set_nodeid(self, nodeid: str) -> None:
         self.nodeid = nodeid
         self.nodeid_sid = self.sid(nodeid)
 
     def set_test(self, nodeid: str, name: str, definition: str) -> None:
         """The test this process runs from now on; its one string in the table names
-        the test's phase scopes too (the format of ``table.test_entry``, inlined)."""
+        the test's phase scopes too (see ``table.test_entry``)."""
         self.nodeid = nodeid
-        self.nodeid_sid = self.table.add_string(f"{nodeid}\0{name}\0{definition}")
+        self.nodeid_sid = self.table.add_string(tbl.test_entry(nodeid, name, definition))
 
     def restore_test(self, nodeid: str, sid: int) -> None:
         """Back to an earlier test (or none), as :meth:`set_test` had written it."""

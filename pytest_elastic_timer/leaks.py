@@ -43,7 +43,7 @@ def _read_children(task: str) -> bytes:
     key = (os.getpid(), task)
     fd = _children_fds.get(key)
     if fd is None:
-        fd = _children_fds[key] = os.open(f"/proc/self/task/{task}/children", os.O_RDONLY)
+        fd = _children_fds[key] = _open_children(task)
     data = os.pread(fd, 4096, 0)
     while len(data) % 4096 == 0 and data:  # more children than one page holds
         more = os.pread(fd, 4096, len(data))
@@ -51,6 +51,10 @@ def _read_children(task: str) -> bytes:
             break
         data += more
     return data
+
+
+def _open_children(task: str) -> int:
+    return os.open(f"/proc/self/task/{task}/children", os.O_RDONLY)
 
 
 def snapshot() -> bytes:
@@ -90,7 +94,7 @@ def _main_fd() -> int:
     if fd < 0:
         main = threading.main_thread().native_id or os.getpid()
         try:
-            fd = _main_children[0] = os.open(f"/proc/self/task/{main}/children", os.O_RDONLY)
+            fd = _main_children[0] = _open_children(str(main))
         except OSError:
             return -1
     return fd
@@ -113,11 +117,6 @@ if hasattr(os, "register_at_fork"):
 def pids_of(listing: bytes) -> set[int]:
     """The pids of a :func:`snapshot`."""
     return {int(p) for p in listing.split() if p.isdigit()}
-
-
-def direct_children() -> set[int]:
-    """Pids of this process's children (any thread's), as the kernel lists them."""
-    return pids_of(snapshot())
 
 
 # Helpers multiprocessing starts once and keeps for the life of the process: not leaks.

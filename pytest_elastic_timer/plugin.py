@@ -479,9 +479,7 @@ class RunningTest:
         self.outer_sid = process.nodeid_sid
         self.children: bytes | None = None  # this process's children when the call began
         self.call_scope: TimerRequest | None = None
-        path, line, _ = item.location  # computed (and cached) by pytest before setup
-        where = path if path.startswith("/") else f"{state.rootdir}/{path}"
-        self.definition = (where, (line or 0) + 1)
+        self.definition = _place(item, state.rootdir)
 
 
 # The tests running in this process, innermost last: a test can run a pytest session
@@ -504,8 +502,12 @@ def _definition(item: pytest.Item) -> tuple[str, int]:
     running = _current(item)
     if running is not None:
         return running.definition
-    path, line, _ = item.location
-    return (os.path.join(item.config.stash[SESSION].rootdir, path), (line or 0) + 1)
+    return _place(item, item.config.stash[SESSION].rootdir)
+
+
+def _place(item: pytest.Item, rootdir: str) -> tuple[str, int]:
+    path, line, _ = item.location  # computed (and cached) by pytest before setup
+    return (path if path.startswith("/") else f"{rootdir}/{path}", (line or 0) + 1)
 
 
 def _budgets_or_fail(item: pytest.Item) -> Budgets:
@@ -533,7 +535,7 @@ def _enter(running: RunningTest, when: str, *, named: bool = True) -> None:
         try:
             running.words[tbl.H_PHASE_SID] = running.sids[when]
         except KeyError:
-            running.words[tbl.H_PHASE_SID] = running.process.phase_sid(when)
+            running.words[tbl.H_PHASE_SID] = running.process.sid(when)
     if len(stack) > running.depth:
         scopes.close_above(stack, running.depth, stack.prefix)
     stack.prefix = f"{running.name}::{when}" if named else running.outer_prefix

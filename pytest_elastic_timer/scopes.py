@@ -504,10 +504,7 @@ def enter_test_phase(scope: TimerRequest, name: str) -> None:
     if scope._state is not None:
         raise RuntimeError(f"scope {scope.path!r} is already active")
     state = _state or process_state()
-    try:
-        stack: _Stack = _tls.stack
-    except AttributeError:
-        stack = _thread_stack()
+    stack = thread_stack()
     parent = stack[-1].path if stack else stack.prefix
     scope.path = f"{parent}/{name}" if parent else name
     scope._state = state
@@ -579,35 +576,6 @@ def leave_test_phase(scope: TimerRequest, exc: BaseException | None) -> None:
 expires = TimerRequest
 
 
-PhaseToken = tuple[_Stack, str, int, float]
-
-
-def enter_phase(path: str) -> PhaseToken:
-    """Name the phase this thread enters (a test phase without a budget): scopes
-    entered from now on nest below ``path``. Cheaper than a scope without deadline."""
-    try:
-        stack: _Stack = _tls.stack
-    except AttributeError:
-        stack = _thread_stack()
-    previous = stack.prefix
-    stack.prefix = path
-    state = _state
-    start = monotonic() if state is not None and state.trace is not None else 0.0
-    return stack, previous, len(stack), start
-
-
-def leave_phase(token: PhaseToken) -> None:
-    """End the phase of :func:`enter_phase`; scopes it left open are closed."""
-    stack, previous, depth, start = token
-    ending = stack.prefix
-    stack.prefix = previous
-    if len(stack) > depth:
-        _close_above(stack, depth, ending)
-    state = _state
-    if start and state is not None and state.trace is not None:
-        state.traced(ending, start, stack.tid, False)  # the timeline shows every phase
-
-
 def current_scope() -> TimerRequest | None:
     """The innermost open scope of the calling thread, if any."""
     stack: _Stack | None = getattr(_tls, "stack", None)
@@ -621,17 +589,12 @@ def set_label(label: str) -> None:
     process_state().set_label(label)
 
 
-def close_above(stack: _Stack, depth: int, ending: str) -> None:
-    """Close the scopes of ``stack`` from ``depth`` up, which ``ending`` outlived."""
-    _close_above(stack, depth, ending)
-
-
 def _close_abandoned(stack: _Stack, scope: TimerRequest) -> None:
     """``scope`` ends while scopes it encloses are still open (acquired and never
     released): they end with it, as in Trio, so that no forgotten scope outlives its
     enclosing one (a test's phase) and expires in somebody else's code."""
     index = stack.index(scope)
-    _close_above(stack, index + 1, scope.path)
+    close_above(stack, index + 1, scope.path)
     del stack[index:]
 
 
@@ -648,7 +611,7 @@ def _user_stacklevel() -> int:
     return level
 
 
-def _close_above(stack: _Stack, depth: int, ending: str) -> None:
+def close_above(stack: _Stack, depth: int, ending: str) -> None:
     """Close the scopes of ``stack`` from ``depth`` up, which ``ending`` outlived."""
     abandoned = stack[depth:]
     del stack[depth:]
