@@ -208,11 +208,21 @@ class Watchdog:
         self.sel.register(conn, selectors.EVENT_READ, lambda c: self._readable(c, pid))
 
     def _readable(self, conn: socket.socket, peer_pid: int) -> None:
+        reset_seen = False
         while True:
             try:
                 data = conn.recv(wire.MAX_MESSAGE + 1)
             except BlockingIOError:
                 return
+            except ConnectionResetError:
+                # A peer that closed with an answer of ours unread: Linux says so once,
+                # *before* the datagrams it sent (an "expired" report, say), which are
+                # still queued. Read on; a second reset ends the connection.
+                if reset_seen:
+                    data = b""
+                else:
+                    reset_seen = True
+                    continue
             except OSError:
                 data = b""
             if not data:

@@ -18,6 +18,7 @@ import contextlib
 import json
 import math
 import os
+import select
 import selectors
 import shutil
 import signal
@@ -367,6 +368,24 @@ def test_an_empty_datagram_ends_only_its_own_connection(local: Local) -> None:
 
     assert pump(local.dog, eof) and closed == [b""]
     assert local.dog.dropped == 0
+    local.expire()
+
+
+def test_a_peer_gone_with_an_answer_unread_still_has_what_it_sent_read(local: Local) -> None:
+    """A peer that closes its connection with an answer of the watchdog unread makes
+    Linux report ECONNRESET once, ahead of the datagrams it sent: those are still read
+    (and here, counted as dropped), not lost with the connection."""
+    peer = local.connect()
+    refused = wire.encode("hello", pid=1, table=local.path, dump="")
+    send_pumping(local.dog, peer, refused)
+    # The refusal is in our queue, unread, before we send the rest and close.
+    assert pump(local.dog, lambda: bool(select.select([peer], [], [], 0)[0]))
+    for junk in (b"x", dumps(["wake", {"at": 1.0}]), b"[]"):
+        peer.send(junk)
+    peer.close()
+    assert pump(local.dog, lambda: local.dog.dropped >= 4), local.dog.dropped
+    local.dog.run_once(max_wait=0.02)
+    assert local.dog.dropped == 4  # the refused hello and the three datagrams after it
     local.expire()
 
 
