@@ -31,7 +31,7 @@ import socket
 import struct
 import sys
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,7 +64,7 @@ class Expiry:
     report: dict[str, Any] | None = None  # what the owner said when it raised
     children: list[dict[str, Any]] = field(default_factory=list)  # their stacks at expiry
     recorded: bool = False  # a preliminary record was written
-    steps: Iterator[float] | None = None
+    steps: Generator[float, None, None] | None = None
 
 
 @dataclass
@@ -440,6 +440,11 @@ class Watchdog:
 
     def _advance(self, owner: Owner, expiry: Expiry) -> None:
         assert expiry.steps is not None
+        if expiry.steps.gi_running:
+            # The ladder reads its owner's connection for a report in flight; a "sync"
+            # read there asks to advance the very ladder that is running. It goes on
+            # by itself once the read is done.
+            return
         try:
             delay = next(expiry.steps)
         except StopIteration:
@@ -460,7 +465,9 @@ class Watchdog:
         return slot is None or slot.serial != expiry.serial or not proctree.alive([owner.proc])
 
     # -- the ladder ---------------------------------------------------------------
-    def _escalate(self, owner: Owner, expiry: Expiry, *, interrupt: bool = True) -> Iterator[float]:
+    def _escalate(
+        self, owner: Owner, expiry: Expiry, *, interrupt: bool = True
+    ) -> Generator[float, None, None]:
         """The escalation ladder for one scope, as steps: each yield is a delay."""
         table = owner.table
         # First the stacks of everything the owner started: once the owner is

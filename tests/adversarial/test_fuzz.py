@@ -389,6 +389,40 @@ def test_a_peer_gone_with_an_answer_unread_still_has_what_it_sent_read(local: Lo
     local.expire()
 
 
+def test_a_sync_read_by_a_running_ladder_is_answered(local: Local) -> None:
+    """The ladder of an expired scope reads its owner's connection once the scope has
+    closed (the owner's report may be in flight). A "sync" queued behind that report
+    asks to advance the ladder that is running: it is answered all the same, and the
+    scope recorded once."""
+    now = time.monotonic()
+    serial = local.serial = local.serial + 1
+    sid = local.table.add_string("in-flight")
+    local.table.write_slot(0, serial, now + 0.05, now, 1, sid, 0, 0, 0.0, 0, 0)
+    local.table.words[tbl.H_HWM] = 1
+    send_pumping(local.dog, local.welcomed, wire.encode("wake", at=now + 0.05))
+    assert pump(local.dog, lambda: bool(local.arrived), 3.0), "no interrupt"
+    # As an owner does: the scope unwinds, reports, and pytest asks for the summary.
+    local.table.clear_slot(0)
+    local.welcomed.send(dumps(["expired", {"serial": serial, "scope": "in-flight"}]))
+    local.welcomed.send(wire.encode("sync"))
+    # The ladder's next step runs before the loop reads the connection.
+    dog = local.dog
+    time.sleep(max(0.0, dog._timers[0][0] - time.monotonic()))
+    dog._run_due_timers()
+    answer: list[bytes] = []
+
+    def answered() -> bool:
+        with contextlib.suppress(BlockingIOError):
+            answer.append(local.welcomed.recv(wire.MAX_MESSAGE, socket.MSG_DONTWAIT))
+        return bool(answer)
+
+    assert pump(dog, answered, 3.0), "the sync was never answered"
+    assert wire.decode(answer[0])[0] == "synced"
+    assert dog.dropped == 0
+    assert pump(dog, lambda: not dog.owners[os.getpid()].expiries)
+    assert [r.scope for r in dog.records] == ["in-flight"]
+
+
 def test_a_line_that_never_ends_is_dropped_once(local: Local) -> None:
     write_pumping(local.dog, local.dog.file_timers.path, b"y" * 20_000)
     assert pump(local.dog, lambda: local.dog.dropped >= 1)
