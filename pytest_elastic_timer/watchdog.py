@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import heapq
+import inspect
 import itertools
 import json
 import os
@@ -440,7 +441,7 @@ class Watchdog:
 
     def _advance(self, owner: Owner, expiry: Expiry) -> None:
         assert expiry.steps is not None
-        if expiry.steps.gi_running:
+        if inspect.getgeneratorstate(expiry.steps) == inspect.GEN_RUNNING:
             # The ladder reads its owner's connection for a report in flight; a "sync"
             # read there asks to advance the very ladder that is running. It goes on
             # by itself once the read is done.
