@@ -338,19 +338,15 @@ def worker_output(session: pytest.Session) -> None:
 def _item_budgets(
     session: pytest.Session,
 ) -> dict[str, tuple[float | None, float | None, float | None]]:
-    settings = session.config.stash[plugin.SESSION].settings
-    default = settings.default_budgets
-    scale = settings.scale
-    out: dict[str, tuple[float | None, float | None, float | None]] = {}
-    for item in getattr(session, "items", None) or ():
-        budgets = item.stash.get(plugin.BUDGETS, None)
-        if budgets is None or budgets is default:
-            continue
-        out[item.nodeid] = tuple(  # type: ignore[assignment]
+    state = session.config.stash[plugin.SESSION]
+    scale = state.settings.scale
+    return {
+        nodeid: tuple(  # type: ignore[misc]
             None if b is None else b * scale
             for b in (budgets.setup, budgets.call, budgets.teardown)
         )
-    return out
+        for nodeid, budgets in state.marked.items()
+    }
 
 
 def collect_phases(session: pytest.Session, state: CiState) -> None:
@@ -367,6 +363,11 @@ def collect_phases(session: pytest.Session, state: CiState) -> None:
     stats: dict[str, list[Any]] = getattr(reporter, "stats", None) or {}
     groups = list(stats.values())
     budgets = state.budgets
+    ranked = settings.report is not None  # only the JSON report lists the slowest tests
+    # Passed setups and teardowns (the group without a category) matter only to the
+    # ranking and to tests with a setup or teardown budget: most sessions skip them.
+    phase_budgets = any(b[0] is not None or b[2] is not None for b in budgets.values())
+    scanned = [g for key, g in stats.items() if key or ranked or phase_budgets]
     index = {"setup": 0, "call": 1, "teardown": 2}
     slow = state.slow
 
@@ -379,12 +380,11 @@ def collect_phases(session: pytest.Session, state: CiState) -> None:
     every = [b for known in budgets.values() for b in known if b] + [call_default or 0.0]
     smallest = min((b for b in every if b), default=0.0)
     threshold = slow * smallest if slow and smallest else math.inf
-    # The hot loop of the session's end: every report once. Only the JSON report lists
-    # the slowest tests, so only with one is every phase's test looked at.
-    ranked = settings.report is not None
+    # The hot loop of the session's end: every report once, and only with a JSON
+    # report is every phase's test looked at.
     longest: dict[str, float] = {}
     get = longest.get
-    for group in groups:
+    for group in scanned:
         for report in group:
             seconds = getattr(report, "duration", None)  # warnings have none
             if seconds is None or report.when not in index:

@@ -271,16 +271,18 @@ class ProcessState:
         self.nodeid = nodeid
         self.nodeid_sid = self.sid(nodeid)
 
-    def set_test(self, nodeid: str, name: str, definition: str) -> None:
+    def set_test(self, nodeid: str, name: str, path: str, line: int) -> None:
         """The test this process runs from now on; its one string in the table names
         the test's phase scopes too (see ``table.test_entry``)."""
         self.nodeid = nodeid
-        self.nodeid_sid = self.table.add_string(tbl.test_entry(nodeid, name, definition))
+        self.nodeid_sid = self.table.add_string(tbl.test_entry(nodeid, name, path, line))
 
-    def restore_test(self, nodeid: str, sid: int) -> None:
-        """Back to an earlier test (or none), as :meth:`set_test` had written it."""
+    def restore_test(self, nodeid: str, sid: int, phase: str) -> None:
+        """Back to an earlier test (or none) in ``phase``, as :meth:`set_test` had
+        written it."""
         self.nodeid = nodeid
         self.nodeid_sid = sid
+        self.table.words[tbl.H_PHASE_SID] = self.sid(phase)
 
     # -- trace --------------------------------------------------------------------
     def traced(self, path: str, start: float, thread_id: int, expired: bool) -> None:

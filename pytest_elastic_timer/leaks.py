@@ -67,8 +67,10 @@ def snapshot() -> bytes:
         if fd < 0:
             fd = _main_fd()
         if fd >= 0:
-            data = os.pread(fd, 4096, 0)
-            if len(data) < 4096:
+            # Small enough for Python's own allocator: a page-sized buffer would cost
+            # a malloc, a realloc and a free for every test.
+            data = os.pread(fd, _FIRST_READ, 0)
+            if len(data) < _FIRST_READ:
                 return data
     main = threading.main_thread().native_id or os.getpid()
     try:
@@ -87,6 +89,7 @@ def snapshot() -> bytes:
 _active: dict[int, object] = threading._active  # type: ignore[attr-defined]
 _limbo: dict[object, object] = threading._limbo  # type: ignore[attr-defined]
 _main_children = [-1]  # open procfs fd of the main thread's children (-1: none yet)
+_FIRST_READ = 256  # bytes: some forty children, in the common case of the main thread
 
 
 def _main_fd() -> int:

@@ -95,11 +95,14 @@ class SessionState:
     lost_watchdog: str = ""  # why and when the watchdog went away mid-session
     expiry_listener: Any = None
     rootdir: str = ""
+    # The budgets of tests with a marker, by node id: the others have the default.
+    marked: dict[str, Budgets] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
 
 
 SESSION = pytest.StashKey[SessionState]()
 BUDGETS = pytest.StashKey[Budgets]()
+_H_PHASE_SID = tbl.H_PHASE_SID
 
 
 # -- options -------------------------------------------------------------------------
@@ -355,9 +358,15 @@ def _budget_items(config: pytest.Config, nodes: list[Any]) -> None:
     """Give each item of ``nodes`` its budgets; the markers of their parents are looked
     up once per parent, not once per test."""
     default = config.stash[SESSION].settings.default_budgets
-    above: dict[int, tuple[Any, pytest.Mark | None]] = {}
+    # A collector's items mostly share one parent: remember the last one's marker.
+    parent_seen: Any = _budget_items
+    parent_mark: pytest.Mark | None = None
     for node in nodes:
-        if not isinstance(node, pytest.Item):
+        kind = node.__class__
+        is_item = _IS_ITEM.get(kind)
+        if is_item is None:  # isinstance() of a node class is a call into abc
+            is_item = _IS_ITEM[kind] = isinstance(node, pytest.Item)
+        if not is_item:
             continue
         mark = None
         for own in node.own_markers:
@@ -366,11 +375,13 @@ def _budget_items(config: pytest.Config, nodes: list[Any]) -> None:
                 break
         else:
             parent = node.parent
-            known = above.get(id(parent))
-            if known is None or known[0] is not parent:
-                known = above[id(parent)] = (parent, _marker(parent))
-            mark = known[1]
+            if parent is not parent_seen:
+                parent_seen, parent_mark = parent, _marker(parent)
+            mark = parent_mark
         node.stash[BUDGETS] = default if mark is None else _budgets_from(node, mark)
+
+
+_IS_ITEM: dict[type, bool] = {}
 
 
 def _marker(node: pytest.Item | pytest.Collector | None) -> pytest.Mark | None:
@@ -385,17 +396,20 @@ def _marker(node: pytest.Item | pytest.Collector | None) -> pytest.Mark | None:
 
 
 def _budgets_from(item: pytest.Item, marker: pytest.Mark) -> Budgets:
-    budgets = _parse_marker(item.nodeid, marker.args, marker.kwargs)
+    nodeid = item.nodeid
+    budgets = _parse_marker(nodeid, marker.args, marker.kwargs)
     if budgets.setup is not None or budgets.teardown is not None:
         _need_phase_budgets(item.config)
+    item.config.stash[SESSION].marked[nodeid] = budgets
     return budgets
 
 
 def budgets_of(item: pytest.Item) -> Budgets:
     """The item's phase budgets (cached); ValueError naming the test for bad input."""
-    cached = item.stash.get(BUDGETS, None)
-    if cached is not None:
-        return cached
+    try:
+        return item.stash[BUDGETS]
+    except KeyError:
+        pass
     marker = _marker(item)
     if marker is None:
         budgets = item.config.stash[SESSION].settings.default_budgets
@@ -527,15 +541,12 @@ def _enter(running: RunningTest, when: str, *, named: bool = True) -> None:
     scopes it left open."""
     if running.when == when:
         return  # a wrapper for the phase's budget did it already
-    stack = running.stack
     if running.tracing:
         _trace_phase(running)
     running.when = when
-    if when:
-        try:
-            running.words[tbl.H_PHASE_SID] = running.sids[when]
-        except KeyError:
-            running.words[tbl.H_PHASE_SID] = running.process.sid(when)
+    sid = running.sids.get(when)
+    running.words[_H_PHASE_SID] = running.process.sid(when) if sid is None else sid
+    stack = running.stack
     if len(stack) > running.depth:
         scopes.close_above(stack, running.depth, stack.prefix)
     stack.prefix = f"{running.name}::{when}" if named else running.outer_prefix
@@ -551,8 +562,8 @@ def _trace_phase(running: RunningTest) -> None:
 
 def _begin(item: pytest.Item, *, named: bool = True) -> None:
     """The test's setup begins: the watchdog still there, the test's name for records."""
-    running = _current(item)
-    if running is not None:
+    running = _running[-1] if _running else None
+    if running is not None and running.item is item:
         if running.when == "setup":
             return  # a wrapper for the setup budget did it already
         _finish(_running.pop())  # the same test runs again (a plugin that reruns tests)
@@ -567,7 +578,7 @@ def _begin(item: pytest.Item, *, named: bool = True) -> None:
         _watchdog_lost(item)
     _running.append(running)
     path, line = running.definition
-    process.set_test(running.nodeid, running.name, f"{path}:{line}")
+    process.set_test(running.nodeid, running.name, path, line)
     _enter(running, "setup", named=named)
 
 
@@ -576,29 +587,38 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     _begin(item)
 
 
+class _CallScope(TimerRequest):
+    """The call phase's scope: its constant attributes are the class's."""
+
+    scope = None
+    flags = tbl.FLAG_TEST_PHASE | tbl.PHASE_FLAGS["call"]
+
+
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
     budgets = _budgets_or_fail(item)
-    running = _current(item)
-    if running is not None:
+    running = _running[-1] if _running else None
+    if running is not None and running.item is item:
         if running.state.settings.leaks != "off":
             running.children = leaks.snapshot()
         # With a budget, the call's scope names the phase.
         _enter(running, "call", named=budgets.call is None)
+    else:
+        running = None
     try:
         if budgets.call is None:
             return (yield)
-        scope = TimerRequest.__new__(TimerRequest)  # checked at collection already
+        scope = _CallScope.__new__(_CallScope)  # the budget was checked at collection
         scope.after = budgets.call
-        scope.scope = None
         scope.grace = budgets.grace
-        scope.flags = tbl.FLAG_TEST_PHASE | tbl.PHASE_FLAGS["call"]
         if running is not None:
             scope.at = running.definition
             running.call_scope = scope
+            stack = running.stack
         else:
             scope.at = _definition(item)
-        scopes.enter_test_phase(scope, f"{item.name}::call")
+            stack = scopes.thread_stack()
+        scopes.enter_test_phase(scope, f"{item.name}::call", stack)
         try:
             result = yield
         except BaseException as exc:
@@ -613,8 +633,8 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_teardown(item: pytest.Item) -> None:
-    running = _current(item)
-    if running is not None:
+    running = _running[-1] if _running else None
+    if running is not None and running.item is item:
         _enter(running, "teardown")
 
 
@@ -625,13 +645,24 @@ def pytest_runtest_logfinish(nodeid: str) -> None:
 
 def _finish(running: RunningTest) -> None:
     """After the test's teardown: its scopes are over, its leftover processes found."""
-    _enter(running, "", named=False)
-    process = running.process
+    if running.tracing:
+        _trace_phase(running)
+    running.when = ""
+    stack = running.stack
+    if len(stack) > running.depth:
+        scopes.close_above(stack, running.depth, stack.prefix)
+    stack.prefix = running.outer_prefix
     # Back to the test that runs this session in-process, if any.
-    process.restore_test(_running[-1].nodeid if _running else "", running.outer_sid)
-    process.set_phase(_running[-1].when if _running else "between tests")
-    if running.children is not None:
-        _check_leaks(running)
+    outer = _running[-1] if _running else None
+    if outer is None:
+        running.process.restore_test("", running.outer_sid, "between tests")
+    else:
+        running.process.restore_test(outer.nodeid, running.outer_sid, outer.when)
+    before = running.children
+    if before is not None:
+        after = leaks.snapshot()
+        if after != before:
+            _check_leaks(running, before, after)
 
 
 class PhaseBudgets:
@@ -681,11 +712,7 @@ def _watchdog_lost(item: pytest.Item) -> None:
     warnings.warn(pytest.PytestWarning(f"elastic-timer: {state.lost_watchdog}"), stacklevel=1)
 
 
-def _check_leaks(running: RunningTest) -> None:
-    before = running.children
-    after = leaks.snapshot()
-    if before is None or after == before:
-        return
+def _check_leaks(running: RunningTest, before: bytes, after: bytes) -> None:
     state = running.state
     ours = {state.watchdog.pid} if state.watchdog else set()
     new = {

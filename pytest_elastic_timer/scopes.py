@@ -494,8 +494,9 @@ class TimerRequest:
         return f"<TimerRequest {self.path or self.scope!r} after={self.after}>"
 
 
-def enter_test_phase(scope: TimerRequest, name: str) -> None:
-    """Enter ``scope``, a test phase's (flags ``FLAG_TEST_PHASE``), named ``name``.
+def enter_test_phase(scope: TimerRequest, name: str, stack: _Stack) -> None:
+    """Enter ``scope``, a test phase's (flags ``FLAG_TEST_PHASE``), named ``name``, on
+    ``stack``, the calling thread's (:func:`thread_stack`).
 
     The plugin's hot path for every test: no call site to look up and no string to
     write, because the watchdog names such a slot after the test entry of the table
@@ -504,7 +505,6 @@ def enter_test_phase(scope: TimerRequest, name: str) -> None:
     if scope._state is not None:
         raise RuntimeError(f"scope {scope.path!r} is already active")
     state = _state or process_state()
-    stack = thread_stack()
     parent = stack[-1].path if stack else stack.prefix
     scope.path = f"{parent}/{name}" if parent else name
     scope._state = state

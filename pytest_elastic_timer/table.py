@@ -68,9 +68,9 @@ PHASE_FLAGS = {"setup": 1 << 1, "call": 2 << 1, "teardown": 3 << 1}
 _PHASE_NAMES = {code: name for name, code in PHASE_FLAGS.items()}
 
 
-def test_entry(nodeid: str, name: str, definition: str) -> str:
-    """One test's string in the table: nodeid, name and ``file:line`` of its definition."""
-    return f"{nodeid}\0{name}\0{definition}"
+def test_entry(nodeid: str, name: str, path: str, line: int) -> str:
+    """One test's string in the table: nodeid, name and ``path:line`` of its definition."""
+    return f"{nodeid}\0{name}\0{path}:{line}"
 
 
 def split_test_entry(text: str) -> tuple[str, str, str]:

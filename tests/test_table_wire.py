@@ -343,7 +343,7 @@ def test_write_report(tmp_path: Path) -> None:
 
 
 def test_test_entry_round_trip(table: tbl.ScopeTable) -> None:
-    entry = tbl.test_entry("t.py::Test::test_x[a::b]", "test_x[a::b]", "/r/t.py:12")
+    entry = tbl.test_entry("t.py::Test::test_x[a::b]", "test_x[a::b]", "/r/t.py", 12)
     sid = table.add_string(entry)
     assert tbl.split_test_entry(table.string(sid)) == (
         "t.py::Test::test_x[a::b]",
