@@ -6,6 +6,12 @@ a run (one callgrind file each: pytest, its watchdog, xdist workers) are summed,
 slope between two test counts is the cost of one test, so start-up cancels. Wall time of
 the same commands (no valgrind, median of several repeats) is reported beside it.
 
+Instruction counts of one command still differ by a few thousand per test from run to
+run: CPython's type-attribute cache is indexed by the address of the attribute's name,
+so the address layout decides which lookups collide, and the collector runs at other
+moments. Hence each point in one process is the median of three runs, under
+``setarch -R`` (no address randomization) where it exists.
+
 Every run has ``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1`` and loads exactly the plugins it
 measures with ``-p`` (unrelated installed plugins such as hypothesis's would otherwise
 add a second of imports to every start), ``PYTHONHASHSEED=0`` and
@@ -17,6 +23,7 @@ from __future__ import annotations
 import concurrent.futures
 import glob
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -99,7 +106,10 @@ def _check_output(out: bytes, n: int, what: str) -> None:
 
 def callgrind(suite: str, n: int, config: str, xdist: bool, out_root: str) -> dict[str, Any]:
     out_dir = tempfile.mkdtemp(prefix=f"cg-{config}-{n}-", dir=out_root)
+    # Without address randomization runs differ less (see the module's docstring).
+    fixed = ["setarch", platform.machine(), "-R"] if shutil.which("setarch") else []
     argv = [
+        *fixed,
         "valgrind",
         "--tool=callgrind",
         "--trace-children=yes",
@@ -164,10 +174,10 @@ def measure(quick: bool) -> dict[str, Any]:
     cg_configs = list(CONFIGS)
     if quick:  # pytest-timeout's instruction counts and -n 2 only in the full run
         cg_configs = ["plain", "elastic_timer"]
-        cg_counts, cg_xdist_counts = (50, 150), None
+        cg_counts, cg_xdist_counts, cg_repeats = (50, 150), None, 1
         wall_counts, wall_repeats, wall_xdist = (100, 1000), 3, False
     else:
-        cg_counts, cg_xdist_counts = (200, 600), (100, 300)
+        cg_counts, cg_xdist_counts, cg_repeats = (200, 1000), (100, 300), 3
         wall_counts, wall_repeats, wall_xdist = (200, 2000), 5, True
     have_valgrind = shutil.which("valgrind") is not None
     root = tempfile.mkdtemp(prefix="bench-per-test-")
@@ -176,6 +186,7 @@ def measure(quick: bool) -> dict[str, Any]:
         "wall": {},
         "cg_counts": cg_counts,
         "cg_xdist_counts": cg_xdist_counts,
+        "cg_repeats": cg_repeats,
         "wall_counts": wall_counts,
         "wall_repeats": wall_repeats,
         "valgrind": have_valgrind,
@@ -194,10 +205,12 @@ def measure(quick: bool) -> dict[str, Any]:
             for xdist, counts in modes:
                 # Under valgrind an xdist run takes a minute or two: its thread method is
                 # left out there (measured in one process, and on the wall clock).
+                # With -n 2 the overhead is a tenth of a percent: one run per point.
                 for config in [c for c in cg_configs if not (xdist and c == "timeout_thread")]:
                     for n in counts:
-                        jobs.append((xdist, config, n))
+                        jobs += [(xdist, config, n)] * (1 if xdist else cg_repeats)
             jobs.sort(key=lambda j: (not j[0], -j[2]))  # longest first
+            samples: dict[tuple[str, str], list[dict[str, Any]]] = {}
             with concurrent.futures.ThreadPoolExecutor(2) as pool:
                 futures = {
                     pool.submit(callgrind, suites[n], n, config, xdist, root): (xdist, config, n)
@@ -206,7 +219,12 @@ def measure(quick: bool) -> dict[str, Any]:
                 for future in concurrent.futures.as_completed(futures):
                     xdist, config, n = futures[future]
                     key = f"{'xdist' if xdist else 'single'}/{config}"
-                    result["callgrind"].setdefault(key, {})[str(n)] = future.result()
+                    samples.setdefault((key, str(n)), []).append(future.result())
+            for (key, n), runs in samples.items():
+                runs.sort(key=lambda run: int(run["instructions"]))
+                middle = runs[len(runs) // 2]  # the median run (an odd number of them)
+                seen = [run["instructions"] for run in runs]
+                result["callgrind"].setdefault(key, {})[n] = {**middle, "samples": seen}
         # Wall time: one run at a time, configurations interleaved.
         for xdist in [False, True] if wall_xdist else [False]:
             mode = "xdist" if xdist else "single"
@@ -280,7 +298,7 @@ def render(result: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
     cg_counts = result["cg_counts"]
     text += (
         f"\n\nInstructions: callgrind, all processes, slope between {cg_counts[0]} and "
-        f"{cg_counts[1]} tests"
+        f"{cg_counts[1]} tests (each the median of {result.get('cg_repeats', 1)} runs)"
     )
     if result.get("cg_xdist_counts"):
         x = result["cg_xdist_counts"]

@@ -64,9 +64,7 @@ def snapshot() -> bytes:
     # the test started, and its children are read after the test anyway.
     if len(_active) == 1 and not _limbo:
         fd = _main_children[0]
-        if fd < 0:
-            fd = _main_fd()
-        if fd >= 0:
+        if fd >= 0 or (fd := _main_fd()) >= 0:
             # Small enough for Python's own allocator: a page-sized buffer would cost
             # a malloc, a realloc and a free for every test.
             data = os.pread(fd, _FIRST_READ, 0)
