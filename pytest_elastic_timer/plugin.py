@@ -97,11 +97,17 @@ class SessionState:
     rootdir: str = ""
     # The budgets of tests with a marker, by node id: the others have the default.
     marked: dict[str, Budgets] = field(default_factory=dict)
+    # Every collected item's budgets (an item hashes by identity, in C: cheaper for
+    # every test than its stash, whose lookup is two Python calls).
+    budgets: dict[pytest.Item, Budgets] = field(default_factory=dict)
+    # Absolute file of each location path items report, relative to rootdir.
+    files: dict[str, str] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
 
 
 SESSION = pytest.StashKey[SessionState]()
-BUDGETS = pytest.StashKey[Budgets]()
+# The same state by config, for the hooks every test pays (see SessionState.budgets).
+_states: dict[pytest.Config, SessionState] = {}
 _H_PHASE_SID = tbl.H_PHASE_SID
 
 
@@ -201,7 +207,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", MARKER)
     settings = read_settings(config)
     state = SessionState(settings, rootdir=str(config.rootpath))
-    config.stash[SESSION] = state
+    config.stash[SESSION] = _states[config] = state
     config.pluginmanager.register(ci_reports, "elastic_timer_ci")
     state.expiry_listener = functools.partial(_watch_failures, config)
     scopes.expiry_listeners.append(state.expiry_listener)
@@ -357,7 +363,9 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Any:
 def _budget_items(config: pytest.Config, nodes: list[Any]) -> None:
     """Give each item of ``nodes`` its budgets; the markers of their parents are looked
     up once per parent, not once per test."""
-    default = config.stash[SESSION].settings.default_budgets
+    state = config.stash[SESSION]
+    default = state.settings.default_budgets
+    budgets = state.budgets
     # A collector's items mostly share one parent: remember the last one's marker.
     parent_seen: Any = _budget_items
     parent_mark: pytest.Mark | None = None
@@ -378,7 +386,7 @@ def _budget_items(config: pytest.Config, nodes: list[Any]) -> None:
             if parent is not parent_seen:
                 parent_seen, parent_mark = parent, _marker(parent)
             mark = parent_mark
-        node.stash[BUDGETS] = default if mark is None else _budgets_from(node, mark)
+        budgets[node] = default if mark is None else _budgets_from(node, mark)
 
 
 _IS_ITEM: dict[type, bool] = {}
@@ -406,16 +414,12 @@ def _budgets_from(item: pytest.Item, marker: pytest.Mark) -> Budgets:
 
 def budgets_of(item: pytest.Item) -> Budgets:
     """The item's phase budgets (cached); ValueError naming the test for bad input."""
-    try:
-        return item.stash[BUDGETS]
-    except KeyError:
-        pass
-    marker = _marker(item)
-    if marker is None:
-        budgets = item.config.stash[SESSION].settings.default_budgets
-    else:
-        budgets = _budgets_from(item, marker)
-    item.stash[BUDGETS] = budgets
+    state = item.config.stash[SESSION]
+    budgets = state.budgets.get(item)
+    if budgets is None:  # not collected by this session's collection hooks
+        marker = _marker(item)
+        default = state.settings.default_budgets
+        budgets = state.budgets[item] = default if marker is None else _budgets_from(item, marker)
     return budgets
 
 
@@ -493,7 +497,12 @@ class RunningTest:
         self.outer_sid = process.nodeid_sid
         self.children: bytes | None = None  # this process's children when the call began
         self.call_scope: TimerRequest | None = None
-        self.definition = _place(item, state.rootdir)
+        # _place(item, state), inline: the file of most tests is known already.
+        path, line, _ = item.location  # computed (and cached) by pytest before setup
+        file = state.files.get(path)
+        if file is None:
+            file = _file_of(path, state)
+        self.definition = (file, (line or 0) + 1)
 
 
 # The tests running in this process, innermost last: a test can run a pytest session
@@ -516,12 +525,14 @@ def _definition(item: pytest.Item) -> tuple[str, int]:
     running = _current(item)
     if running is not None:
         return running.definition
-    return _place(item, item.config.stash[SESSION].rootdir)
+    path, line, _ = item.location
+    return (_file_of(path, item.config.stash[SESSION]), (line or 0) + 1)
 
 
-def _place(item: pytest.Item, rootdir: str) -> tuple[str, int]:
-    path, line, _ = item.location  # computed (and cached) by pytest before setup
-    return (path if path.startswith("/") else f"{rootdir}/{path}", (line or 0) + 1)
+def _file_of(path: str, state: SessionState) -> str:
+    """The absolute file of an item's location ``path`` (relative to rootdir)."""
+    file = state.files[path] = path if path.startswith("/") else f"{state.rootdir}/{path}"
+    return file
 
 
 def _budgets_or_fail(item: pytest.Item) -> Budgets:
@@ -569,8 +580,8 @@ def _begin(item: pytest.Item, *, named: bool = True) -> None:
         if running.when == "setup":
             return  # a wrapper for the setup budget did it already
         _finish(_running.pop())  # the same test runs again (a plugin that reruns tests)
-    state = item.config.stash[SESSION]
-    running = RunningTest(item, state)
+    config = item.config
+    running = RunningTest(item, _states.get(config) or config.stash[SESSION])
     process = running.process
     if (
         process.sock is not None
@@ -606,14 +617,16 @@ class _CallScope(TimerRequest):
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
-    budgets = _budgets_or_fail(item)
     running = _running[-1] if _running else None
     if running is not None and running.item is item:
-        if running.state.settings.leaks != "off":
+        state = running.state
+        budgets = state.budgets.get(item) or _budgets_or_fail(item)
+        if state.settings.leaks != "off":
             running.children = leaks.snapshot()
         # With a budget, the call's scope names the phase.
         _enter(running, "call", named=budgets.call is None)
     else:
+        budgets = _budgets_or_fail(item)
         running = None
     try:
         if budgets.call is None:
@@ -641,16 +654,21 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
         raise
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_teardown(item: pytest.Item) -> None:
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
+    """The outermost wrapper of teardown: the test ends when its teardown does (one
+    hook for both, instead of a teardown and a logfinish hook)."""
     running = _running[-1] if _running else None
-    if running is not None and running.item is item:
-        _enter(running, "teardown")
-
-
-def pytest_runtest_logfinish(nodeid: str) -> None:
-    if _running and _running[-1].nodeid == nodeid:
-        _finish(_running.pop())
+    if running is None or running.item is not item:
+        return (yield)
+    _enter(running, "teardown")
+    try:
+        return (yield)
+    finally:
+        # Leftover processes are found here, inside the teardown: a warning made an
+        # error (-W error) fails the test's teardown.
+        if _running and _running[-1] is running:
+            _finish(_running.pop())
 
 
 def _finish(running: RunningTest) -> None:
@@ -691,14 +709,16 @@ class PhaseBudgets:
         with _phase_scope(item, "setup", budgets.setup, budgets.grace):
             return (yield)
 
-    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    # Inside the plugin's own teardown wrapper (tryfirst), which began the phase and
+    # ends the test after this scope ended.
+    @pytest.hookimpl(wrapper=True)
     def pytest_runtest_teardown(self, item: pytest.Item) -> Generator[None, None, None]:
         budgets = _budgets_or_fail(item)
-        running = _current(item)
-        if running is not None:  # first: leaving the call closes what it left open
-            _enter(running, "teardown", named=budgets.teardown is None)
         if budgets.teardown is None:
             return (yield)
+        running = _current(item)
+        if running is not None:  # the budget's scope names the phase
+            running.stack.prefix = running.outer_prefix
         with _phase_scope(item, "teardown", budgets.teardown, budgets.grace):
             return (yield)
 
@@ -947,9 +967,10 @@ def _restart_limit_line(
 
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config: pytest.Config) -> None:
-    state = config.stash.get(SESSION, None)
+    state = _states.pop(config, None)
     if state is None:
         return
+    state.budgets.clear()
     if state.expiry_listener in scopes.expiry_listeners:
         scopes.expiry_listeners.remove(state.expiry_listener)
     if scopes._state is not None:

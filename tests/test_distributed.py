@@ -478,3 +478,23 @@ def test_double_forked_grandchild(pytester: pytest.Pytester, mode: str) -> None:
         if not wait_gone(pid, 0):
             reap(pid)
     assert wait_gone(pid, 1.0)
+
+
+def test_leak_warning_as_error_fails_the_teardown(pytester: pytest.Pytester) -> None:
+    """With ``-W error``, the leak warning is an error in the test's own teardown: the
+    test reports an error, the session goes on, and the daemon is still ended."""
+    pytester.makepyfile(test_daemon=DAEMON)
+    session = run(
+        pytester, "-rA", "--elastic-timer-leaks=kill", "-W", "error::pytest.PytestWarning"
+    )
+    pid = int((pytester.path / "daemon.pid").read_text())
+    try:
+        session.assert_clean()
+        session.result.assert_outcomes(passed=2, errors=1)
+        assert "INTERNALERROR" not in session.stdout
+        assert "ERROR at teardown of test_daemon" in session.stdout, session.stdout
+        assert LEFT in " ".join(session.stdout.split()), session.stdout
+        assert wait_gone(pid, 5.0), "the leak check left the daemon running"
+    finally:
+        if not wait_gone(pid, 0):
+            reap(pid)
