@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any
@@ -76,7 +77,9 @@ class ProcessState:
         self.scale = _float_env(ENV_SCALE, 1.0)
         self.grace = 2.0
         self.watchdog_pid = 0
-        self.free: list[int] = []
+        # Free slots. A deque: a list that a loop's one scope empties and fills again
+        # is shrunk and grown (a realloc each way) by every scope.
+        self.free: deque[int] = deque()
         self.hwm = 0
         self.next_serial = itertools.count(1).__next__
         self.sids: dict[str, int] = {}
@@ -283,7 +286,7 @@ class ProcessState:
         written it."""
         self.nodeid = nodeid
         self.nodeid_sid = sid
-        self.table.words[tbl.H_PHASE_SID] = self.sid(phase)
+        self.table.words[tbl.H_PHASE_SID] = self.sids.get(phase) or self.sid(phase)
 
     # -- trace --------------------------------------------------------------------
     def traced(self, path: str, start: float, thread_id: int, expired: bool) -> None:

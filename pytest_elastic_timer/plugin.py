@@ -480,29 +480,38 @@ class RunningTest:
         "words",
     )
 
-    def __init__(self, item: pytest.Item, state: SessionState) -> None:
+    def __init__(self, item: pytest.Item, state: SessionState, named: bool) -> None:
+        """``item`` begins its setup in this process; ``named``: the setup's name is
+        the prefix of the scopes entered in it (no scope of its own names it)."""
         self.item = item
-        self.nodeid = item.nodeid
-        self.name = item.name
+        nodeid = self.nodeid = item.nodeid
+        name = self.name = item.name
         self.state = state
-        process = self.process = scopes.process_state()
-        self.words = process.table.words
-        self.sids = process.sids
-        self.tracing = process.trace is not None
-        stack = self.stack = scopes.thread_stack()
-        self.when = ""
+        # scopes.process_state() and scopes.thread_stack(), inline for the common case.
+        process = self.process = scopes._state or scopes.process_state()
+        try:
+            stack = self.stack = scopes._tls.stack
+        except AttributeError:
+            stack = self.stack = scopes.thread_stack()
         self.depth = len(stack)  # scopes above this depth are the test's own
-        self.started = 0.0  # when the phase began, for the trace timeline
         self.outer_prefix = stack.prefix
         self.outer_sid = process.nodeid_sid
         self.children: bytes | None = None  # this process's children when the call began
         self.call_scope: TimerRequest | None = None
-        # _place(item, state), inline: the file of most tests is known already.
         path, line, _ = item.location  # computed (and cached) by pytest before setup
-        file = state.files.get(path)
-        if file is None:
-            file = _file_of(path, state)
-        self.definition = (file, (line or 0) + 1)
+        file = state.files.get(path) or _file_of(path, state)
+        line = (line or 0) + 1
+        self.definition = (file, line)
+        process.set_test(nodeid, name, file, line)
+        # _enter(self, "setup"), for a test that has no phase yet and no scopes.
+        tracing = self.tracing = process.trace is not None
+        self.started = time.monotonic() if tracing else 0.0  # for the trace timeline
+        self.when = "setup"
+        words = self.words = process.table.words
+        sids = self.sids = process.sids
+        words[_H_PHASE_SID] = sids.get("setup") or process.sid("setup")
+        if named:
+            stack.prefix = f"{name}::setup"
 
 
 # The tests running in this process, innermost last: a test can run a pytest session
@@ -581,7 +590,8 @@ def _begin(item: pytest.Item, *, named: bool = True) -> None:
             return  # a wrapper for the setup budget did it already
         _finish(_running.pop())  # the same test runs again (a plugin that reruns tests)
     config = item.config
-    running = RunningTest(item, _states.get(config) or config.stash[SESSION])
+    running = RunningTest(item, _states.get(config) or config.stash[SESSION], named)
+    _running.append(running)
     process = running.process
     if (
         process.sock is not None
@@ -589,19 +599,6 @@ def _begin(item: pytest.Item, *, named: bool = True) -> None:
         and not process.watchdog_alive()
     ):
         _watchdog_lost(item)
-    _running.append(running)
-    path, line = running.definition
-    process.set_test(running.nodeid, running.name, path, line)
-    # _enter(running, "setup"), for a test that has no phase yet and no scopes.
-    if running.tracing:
-        running.started = time.monotonic()
-    running.when = "setup"
-    try:
-        running.words[_H_PHASE_SID] = running.sids["setup"]
-    except KeyError:
-        running.words[_H_PHASE_SID] = process.sid("setup")
-    if named:
-        running.stack.prefix = f"{running.name}::setup"
 
 
 # The hook is _begin itself: one call less for every test.

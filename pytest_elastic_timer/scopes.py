@@ -32,6 +32,7 @@ from . import client
 from . import table as tbl
 
 _PACK_SLOT = tbl.SLOT.pack_into
+_PACK_PHASE_SLOT = tbl.PHASE_SLOT.pack_into
 _modules = sys.modules
 _CO_ASYNC = inspect.CO_COROUTINE | inspect.CO_ITERABLE_COROUTINE | inspect.CO_ASYNC_GENERATOR
 _DOUBLE = struct.Struct("<d")
@@ -517,20 +518,16 @@ def enter_test_phase(scope: TimerRequest, name: str, stack: _Stack) -> None:
     slot = scope._slot = free.pop() if free else state.alloc()
     serial = scope._serial = state.next_serial()
     grace = scope.grace
-    _PACK_SLOT(
+    _PACK_PHASE_SLOT(
         state.table.mm,
         _SLOTS_OFFSET + slot * _SLOT_SIZE,
-        0,
         deadline,
         now,
         stack.tid,
-        0,
-        0,
         state.nodeid_sid,
         0.0 if grace is None else grace,
         len(stack),
         scope.flags,
-        0,
         serial,
     )
     state.table.slot_words[slot << 3] = serial  # last, as in __enter__
