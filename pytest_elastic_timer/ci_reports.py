@@ -26,6 +26,7 @@ from __future__ import annotations
 import heapq
 import json
 import math
+import operator
 import os
 import sys
 import xml.etree.ElementTree as ET
@@ -385,6 +386,8 @@ def collect_phases(session: pytest.Session, state: CiState) -> None:
     longest: dict[str, float] = {}
     get = longest.get
     for group in scanned:
+        if not ranked and _longest(group) < threshold:
+            continue  # nothing in it is slow: skipped without a Python step per report
         for report in group:
             seconds = getattr(report, "duration", None)  # warnings have none
             if seconds is None or report.when not in index:
@@ -419,6 +422,17 @@ def collect_phases(session: pytest.Session, state: CiState) -> None:
                         )
                     )
                 state.locations.setdefault(nodeid, (report.location[0], report.location[1]))
+
+
+_duration = operator.attrgetter("duration")
+
+
+def _longest(reports: list[Any]) -> float:
+    """The longest duration in ``reports`` (inf if one has none: look at each)."""
+    try:
+        return max(map(_duration, reports), default=0.0)
+    except (AttributeError, TypeError):  # a warnings report, or None
+        return math.inf
 
 
 def _expired_of(config: pytest.Config, report: pytest.TestReport) -> list[ExpiryRecord]:

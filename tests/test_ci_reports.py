@@ -477,6 +477,32 @@ def test_no_github_outputs_outside_github_and_slow_off(
     assert session.report["session"]["slow"] == []
 
 
+def test_slow_lines_without_the_json_report(pytester: pytest.Pytester) -> None:
+    """Without the JSON report only groups with a long enough phase are looked at: the
+    slow test is named, the fast ones and the warnings' group are not in the way."""
+    pytester.makepyfile(
+        test_slow="""
+        import time
+        import warnings
+        import pytest
+
+        @pytest.mark.expires(1)
+        def test_slow():
+            time.sleep(0.5)
+
+        @pytest.mark.parametrize("i", range(5))
+        def test_fast(i):
+            warnings.warn(UserWarning("fast"))
+        """
+    )
+    session = run(pytester, "--elastic-timer-slow=0.4", report=False)
+    session.assert_clean()
+    session.result.assert_outcomes(passed=6)
+    (line,) = [line for line in session.stdout.splitlines() if "SLOW" in line]
+    assert "SLOW test_slow.py::test_slow call: 0.5" in line, session.stdout
+    assert "of 1s budget" in line
+
+
 @pytest.mark.parametrize(
     ("args", "ini", "message"),
     [
