@@ -102,6 +102,7 @@ class SessionState:
     budgets: dict[pytest.Item, Budgets] = field(default_factory=dict)
     # Absolute file of each location path items report, relative to rootdir.
     files: dict[str, str] = field(default_factory=dict)
+    leaks: bool = False  # whether tests' leftover processes are looked for
     started: float = field(default_factory=time.time)
 
 
@@ -206,7 +207,7 @@ def read_settings(config: pytest.Config) -> Settings:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", MARKER)
     settings = read_settings(config)
-    state = SessionState(settings, rootdir=str(config.rootpath))
+    state = SessionState(settings, rootdir=str(config.rootpath), leaks=settings.leaks != "off")
     config.stash[SESSION] = _states[config] = state
     config.pluginmanager.register(ci_reports, "elastic_timer_ci")
     state.expiry_listener = functools.partial(_watch_failures, config)
@@ -450,35 +451,23 @@ def _parse_marker(nodeid: str, args: tuple[Any, ...], kwargs: Mapping[str, Any])
 
 # -- running: one scope per phase ----------------------------------------------------
 # Every hook implementation here is paid by every test (a wrapper costs about twice a
-# plain one), so the common case takes plain hooks for setup and teardown, one wrapper
-# for the call phase and logfinish for the end; the wrappers that give setup and
-# teardown budgets of their own are registered only once a collected test has one.
+# plain one), so the common case takes three: a plain hook for setup, a wrapper for the
+# call phase and one for the teardown, which also ends the test; the wrappers that give
+# setup and teardown budgets of their own are registered only once a collected test
+# has one.
 # The bodies are written for the same reason: no dataclass per test, and one string
 # per test written to the scope table (see ``client.ProcessState.set_test``).
 
 
 class RunningTest:
-    """What this process knows of the test it runs, from setup to logfinish."""
+    """What this process knows of the test it runs, from its setup to the end of its
+    teardown."""
 
-    __slots__ = (
-        "call_scope",
-        "children",
-        "definition",
-        "depth",
-        "item",
-        "name",
-        "nodeid",
-        "outer_prefix",
-        "outer_sid",
-        "process",
-        "sids",
-        "stack",
-        "started",
-        "state",
-        "tracing",
-        "when",
-        "words",
-    )
+    # Class-level defaults, as in TimerRequest: fewer stores for every test.
+    children: bytes | None = None  # this process's children when the call began
+    call_scope: TimerRequest | None = None
+    tracing = False
+    started = 0.0  # when the phase began, for the trace timeline
 
     def __init__(self, item: pytest.Item, state: SessionState, named: bool) -> None:
         """``item`` begins its setup in this process; ``named``: the setup's name is
@@ -496,16 +485,15 @@ class RunningTest:
         self.depth = len(stack)  # scopes above this depth are the test's own
         self.outer_prefix = stack.prefix
         self.outer_sid = process.nodeid_sid
-        self.children: bytes | None = None  # this process's children when the call began
-        self.call_scope: TimerRequest | None = None
         path, line, _ = item.location  # computed (and cached) by pytest before setup
         file = state.files.get(path) or _file_of(path, state)
         line = (line or 0) + 1
         self.definition = (file, line)
         process.set_test(nodeid, name, file, line)
         # _enter(self, "setup"), for a test that has no phase yet and no scopes.
-        tracing = self.tracing = process.trace is not None
-        self.started = time.monotonic() if tracing else 0.0  # for the trace timeline
+        if process.trace is not None:
+            self.tracing = True
+            self.started = time.monotonic()
         self.when = "setup"
         words = self.words = process.table.words
         sids = self.sids = process.sids
@@ -615,39 +603,49 @@ class _CallScope(TimerRequest):
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
     running = _running[-1] if _running else None
-    if running is not None and running.item is item:
-        state = running.state
-        budgets = state.budgets.get(item) or _budgets_or_fail(item)
-        if state.settings.leaks != "off":
-            running.children = leaks.snapshot()
-        # With a budget, the call's scope names the phase.
-        _enter(running, "call", named=budgets.call is None)
-    else:
-        budgets = _budgets_or_fail(item)
-        running = None
-    try:
-        if budgets.call is None:
+    if running is None or running.item is not item:
+        return (yield from _call_of_unknown_test(item))
+    state = running.state
+    budgets = state.budgets.get(item) or _budgets_or_fail(item)
+    if state.leaks:
+        running.children = leaks.snapshot()
+    after = budgets.call
+    if after is None:
+        _enter(running, "call")
+        try:
             return (yield)
-        scope = _CallScope.__new__(_CallScope)  # the budget was checked at collection
-        scope.after = budgets.call
-        scope.grace = budgets.grace
-        if running is not None:
-            scope.at = running.definition
-            running.call_scope = scope
-            stack = running.stack
-        else:
-            scope.at = _definition(item)
-            stack = scopes.thread_stack()
-        scopes.enter_test_phase(scope, f"{item.name}::call", stack)
+        except BaseException:
+            _watch_failures(item.config)  # before pytest makes the call's report
+            raise
+    _enter(running, "call", named=False)  # the call's scope names the phase
+    scope = running.call_scope = _CallScope.__new__(_CallScope)  # checked at collection
+    scope.after = after
+    scope.grace = budgets.grace
+    scope.at = running.definition
+    try:
+        scopes.enter_test_phase(scope, f"{running.name}::call", running.stack)
         try:
             result = yield
         except BaseException as exc:
             scopes.leave_test_phase(scope, exc)
             raise
-        scopes.leave_test_phase(scope, None)
+        scopes.leave_test_phase(scope, None)  # raises ScopeExpired if it overran
         return result
     except BaseException:
-        _watch_failures(item.config)  # before pytest makes the call's report
+        _watch_failures(item.config)
+        raise
+
+
+def _call_of_unknown_test(item: pytest.Item) -> Generator[None, None, None]:
+    """The call phase of a test whose setup this plugin did not see begin."""
+    budgets = _budgets_or_fail(item)
+    try:
+        if budgets.call is None:
+            return (yield)
+        with _phase_scope(item, "call", budgets.call, budgets.grace):
+            return (yield)
+    except BaseException:
+        _watch_failures(item.config)
         raise
 
 

@@ -48,7 +48,6 @@ SLOTS_OFFSET = HEADER_SIZE
 STRINGS_OFFSET = SLOTS_OFFSET + CAPACITY * SLOT_SIZE
 FILE_SIZE = STRINGS_OFFSET + STRINGS_SIZE
 _U32 = struct.Struct("<I")
-_PACK_U32 = _U32.pack_into
 
 # Header word indexes (8-byte words).
 H_MAGIC = 0
@@ -180,15 +179,14 @@ class ScopeTable:
         if size > 4096:
             data = data[:4096]
             size = 4096
-        used = self.words[H_STRINGS_USED]
+        words = self.words
+        used = words[H_STRINGS_USED]
         end = used + 4 + size
         if end > STRINGS_SIZE:
             return 0
-        # Every test writes one string: the length, then the bytes, then the header.
-        offset = STRINGS_OFFSET + used
-        _PACK_U32(self.mm, offset, size)
-        self.mm[offset + 4 : offset + 4 + size] = data
-        self.words[H_STRINGS_USED] = end
+        # Length and bytes in one write: every test writes one string.
+        self.mm[STRINGS_OFFSET + used : STRINGS_OFFSET + end] = _U32.pack(size) + data
+        words[H_STRINGS_USED] = end
         return used + 1
 
     def string(self, sid: int) -> str:
