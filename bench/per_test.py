@@ -6,16 +6,19 @@ a run (one callgrind file each: pytest, its watchdog, xdist workers) are summed,
 slope between two test counts is the cost of one test, so start-up cancels. Wall time of
 the same commands (no valgrind, median of several repeats) is reported beside it.
 
-Instruction counts of one command still differ by a few thousand per test from run to
-run: CPython's type-attribute cache is indexed by the address of the attribute's name,
-so the address layout decides which lookups collide, and the collector runs at other
-moments. Hence each point in one process is the median of three runs, under
-``setarch -R`` (no address randomization) where it exists.
+Under valgrind and ``setarch -R`` (no address randomization, where it exists) one
+command's count is the same from run to run; but CPython's type-attribute cache is
+indexed by the addresses of the names looked up, so where the allocator happened to put
+them decides which lookups collide, and that moves a configuration's count per test by
+±0.25 % of plain pytest's with any change to the heap's history. Each configuration is
+therefore run under several heap layouts, one per ``PYTHONHASHSEED`` (which changes the
+order of allocations at import), every configuration under the same seeds; the
+overhead is the median over the seeds of each seed's ratio to plain pytest.
 
 Every run has ``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1`` and loads exactly the plugins it
 measures with ``-p`` (unrelated installed plugins such as hypothesis's would otherwise
-add a second of imports to every start), ``PYTHONHASHSEED=0`` and
-``PYTHONDONTWRITEBYTECODE=1`` (so each run compiles the test file alike).
+add a second of imports to every start) and ``PYTHONDONTWRITEBYTECODE=1`` (so each run
+compiles the test file alike).
 """
 
 from __future__ import annotations
@@ -68,9 +71,11 @@ XDIST = ["-p", "xdist", "-n", "2"]
 _SUMMARY = re.compile(rb"^(?:summary|totals):\s+(\d+)", re.MULTILINE)
 
 
-def _env() -> dict[str, str]:
+def _env(seed: int = 0) -> dict[str, str]:
     return common.clean_env(
-        PYTEST_DISABLE_PLUGIN_AUTOLOAD="1", PYTHONHASHSEED="0", PYTHONDONTWRITEBYTECODE="1"
+        PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
+        PYTHONHASHSEED=str(seed),
+        PYTHONDONTWRITEBYTECODE="1",
     )
 
 
@@ -104,7 +109,9 @@ def _check_output(out: bytes, n: int, what: str) -> None:
         raise RuntimeError(f"{what}: expected {n} passed, got:\n{tail}")
 
 
-def callgrind(suite: str, n: int, config: str, xdist: bool, out_root: str) -> dict[str, Any]:
+def callgrind(
+    suite: str, n: int, config: str, xdist: bool, out_root: str, seed: int = 0
+) -> dict[str, Any]:
     out_dir = tempfile.mkdtemp(prefix=f"cg-{config}-{n}-", dir=out_root)
     # Without address randomization runs differ less (see the module's docstring).
     fixed = ["setarch", platform.machine(), "-R"] if shutil.which("setarch") else []
@@ -119,10 +126,10 @@ def callgrind(suite: str, n: int, config: str, xdist: bool, out_root: str) -> di
     ]
     start = time.monotonic()
     proc = subprocess.run(
-        argv, cwd=suite, env=_env(), capture_output=True, timeout=900, start_new_session=True
+        argv, cwd=suite, env=_env(seed), capture_output=True, timeout=900, start_new_session=True
     )
     seconds = time.monotonic() - start
-    _check_output(proc.stdout, n, f"callgrind {config} n={n}")
+    _check_output(proc.stdout, n, f"callgrind {config} n={n} seed={seed}")
     total, files = 0, 0
     for path in glob.glob(os.path.join(out_dir, "callgrind.*.out*")):
         with open(path, "rb") as f:
@@ -131,7 +138,7 @@ def callgrind(suite: str, n: int, config: str, xdist: bool, out_root: str) -> di
             total += int(match.group(1))
             files += 1
     shutil.rmtree(out_dir, ignore_errors=True)
-    return {"instructions": total, "processes": files, "seconds": seconds}
+    return {"instructions": total, "processes": files, "seconds": seconds, "seed": seed}
 
 
 def wall(suite: str, n: int, config: str, xdist: bool) -> float:
@@ -177,7 +184,7 @@ def measure(quick: bool) -> dict[str, Any]:
         cg_counts, cg_xdist_counts, cg_repeats = (50, 150), None, 1
         wall_counts, wall_repeats, wall_xdist = (100, 1000), 3, False
     else:
-        cg_counts, cg_xdist_counts, cg_repeats = (200, 1000), (100, 300), 3
+        cg_counts, cg_xdist_counts, cg_repeats = (200, 1000), (100, 300), 5
         wall_counts, wall_repeats, wall_xdist = (200, 2000), 5, True
     have_valgrind = shutil.which("valgrind") is not None
     root = tempfile.mkdtemp(prefix="bench-per-test-")
@@ -205,26 +212,33 @@ def measure(quick: bool) -> dict[str, Any]:
             for xdist, counts in modes:
                 # Under valgrind an xdist run takes a minute or two: its thread method is
                 # left out there (measured in one process, and on the wall clock).
-                # With -n 2 the overhead is a tenth of a percent: one run per point.
+                # With -n 2 the overhead is a tenth of a percent: one layout.
                 for config in [c for c in cg_configs if not (xdist and c == "timeout_thread")]:
                     for n in counts:
-                        jobs += [(xdist, config, n)] * (1 if xdist else cg_repeats)
+                        for seed in range(1 if xdist else cg_repeats):
+                            jobs.append((xdist, config, n, seed))
             jobs.sort(key=lambda j: (not j[0], -j[2]))  # longest first
-            samples: dict[tuple[str, str], list[dict[str, Any]]] = {}
             with concurrent.futures.ThreadPoolExecutor(2) as pool:
                 futures = {
-                    pool.submit(callgrind, suites[n], n, config, xdist, root): (xdist, config, n)
-                    for xdist, config, n in jobs
+                    pool.submit(callgrind, suites[n], n, config, xdist, root, seed): (
+                        xdist,
+                        config,
+                        n,
+                    )
+                    for xdist, config, n, seed in jobs
                 }
                 for future in concurrent.futures.as_completed(futures):
                     xdist, config, n = futures[future]
                     key = f"{'xdist' if xdist else 'single'}/{config}"
-                    samples.setdefault((key, str(n)), []).append(future.result())
-            for (key, n), runs in samples.items():
-                runs.sort(key=lambda run: int(run["instructions"]))
-                middle = runs[len(runs) // 2]  # the median run (an odd number of them)
-                seen = [run["instructions"] for run in runs]
-                result["callgrind"].setdefault(key, {})[n] = {**middle, "samples": seen}
+                    run = future.result()
+                    points = result["callgrind"].setdefault(key, {})
+                    points.setdefault(str(n), {"runs": []})["runs"].append(run)
+            for points in result["callgrind"].values():
+                for point in points.values():
+                    point["runs"].sort(key=lambda run: int(run["seed"]))
+                    point["instructions"] = common.median(
+                        [run["instructions"] for run in point["runs"]]
+                    )
         # Wall time: one run at a time, configurations interleaved.
         for xdist in [False, True] if wall_xdist else [False]:
             mode = "xdist" if xdist else "single"
@@ -256,6 +270,21 @@ def _slope(points: dict[str, Any], field: str | None) -> float | None:
     return (vb - va) / (n2 - n1)
 
 
+def _seed_slopes(points: dict[str, Any]) -> dict[int, float]:
+    """The slope per test of each heap layout (seed) measured at both test counts."""
+    if len(points) < 2:
+        return {}
+    (n1, a), (n2, b) = sorted(((int(n), v) for n, v in points.items()))
+    first = {run["seed"]: run["instructions"] for run in a.get("runs", [])}
+    second = {run["seed"]: run["instructions"] for run in b.get("runs", [])}
+    return {seed: (second[seed] - first[seed]) / (n2 - n1) for seed in first if seed in second}
+
+
+def _overheads(ours: dict[int, float], plain: dict[int, float]) -> list[float]:
+    """Each layout's overhead in % over plain pytest under the same layout."""
+    return [(ours[seed] / plain[seed] - 1) * 100 for seed in sorted(ours) if plain.get(seed)]
+
+
 def render(result: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
     lines = [
         "| Mode | Configuration | instructions / test | overhead vs plain | "
@@ -265,7 +294,9 @@ def render(result: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
     ]
     checks: list[dict[str, Any]] = []
     overheads: dict[str, dict[str, float | None]] = {}
+    spreads: list[str] = []
     for mode in ("single", "xdist"):
+        plain_seeds = _seed_slopes(result["callgrind"].get(f"{mode}/plain", {}))
         cg_plain = _slope(result["callgrind"].get(f"{mode}/plain", {}), "instructions")
         wall_plain = _slope(result["wall"].get(f"{mode}/plain", {}), "median")
         if cg_plain is None and wall_plain is None:
@@ -282,6 +313,14 @@ def render(result: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
             wall_points = result["wall"].get(f"{mode}/{config}", {})
             w = _slope(wall_points, "median")
             cg_over = (cg / cg_plain - 1) * 100 if cg is not None and cg_plain else None
+            per_seed = _overheads(_seed_slopes(cg_points), plain_seeds)
+            if per_seed and config != "plain":
+                # The median of the layouts' own ratios, each measured side by side.
+                cg_over = common.median(per_seed)
+                if len(per_seed) > 1 and mode == "single":
+                    spreads.append(
+                        f"{LABELS[config]} {min(per_seed):+.1f} % to {max(per_seed):+.1f} %"
+                    )
             w_over = (w / wall_plain - 1) * 100 if w is not None and wall_plain else None
             overheads[mode][config] = cg_over
             total = wall_points.get(big, {}).get("median")
@@ -296,10 +335,19 @@ def render(result: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
             )
     text = "\n".join(lines)
     cg_counts = result["cg_counts"]
+    repeats = result.get("cg_repeats", 1)
     text += (
         f"\n\nInstructions: callgrind, all processes, slope between {cg_counts[0]} and "
-        f"{cg_counts[1]} tests (each the median of {result.get('cg_repeats', 1)} runs)"
+        f"{cg_counts[1]} tests, in one process "
+        + (
+            f"under {repeats} heap layouts (`PYTHONHASHSEED` 0 to {repeats - 1}): the median "
+            "slope, and the overhead as the median of each layout's ratio to plain pytest"
+            if repeats > 1
+            else "under one heap layout (`PYTHONHASHSEED=0`)"
+        )
     )
+    if spreads:
+        text += f" (by layout: {'; '.join(spreads)})"
     if result.get("cg_xdist_counts"):
         x = result["cg_xdist_counts"]
         text += f" ({x[0]} and {x[1]} with `-n 2`)"

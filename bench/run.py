@@ -34,7 +34,7 @@ BENCHMARKS = {
 }
 TIMEOUTS = {
     "scope_cost": 300,
-    "per_test": 900,
+    "per_test": 2400,  # five heap layouts of four configurations under valgrind
     "latency": 300,
     "watchdog_load": 300,
     "load": 300,
