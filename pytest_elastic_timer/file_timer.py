@@ -23,7 +23,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from . import proctree, startup
+from . import startup
 from . import table as tbl
 
 if TYPE_CHECKING:
@@ -119,6 +119,7 @@ class FileTimerIntake:
         return index
 
     def _owner(self, pid: int) -> Owner | None:
+        from . import proctree  # watchdog side: psutil is not loaded into pytest
         from .watchdog import Owner
 
         owner = self.dog.foreign.get(pid)

@@ -15,10 +15,14 @@ import ctypes
 import ctypes.util
 import os
 import threading
+from typing import TYPE_CHECKING
 
-import psutil
+if TYPE_CHECKING:
+    import psutil
 
-from . import proctree
+# psutil and proctree are imported where a leak is looked at: loading psutil into every
+# pytest process costs start-up time and some 2,000 objects that every full garbage
+# collection walks.
 
 _PR_SET_CHILD_SUBREAPER = 36
 
@@ -126,6 +130,8 @@ _SERVICES = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 
 def is_service(pid: int) -> bool:
     """Whether ``pid`` is one of multiprocessing's long-lived helper processes."""
+    import psutil
+
     try:
         cmdline = " ".join(psutil.Process(pid).cmdline())
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
@@ -138,6 +144,10 @@ def end_leaks(pids: set[int], kill_after: float = 1.0) -> list[dict[str, object]
 
     Returns a description of each process that was still running.
     """
+    import psutil
+
+    from . import proctree
+
     procs: list[psutil.Process] = []
     for pid in sorted(pids):
         try:
@@ -155,6 +165,21 @@ def end_leaks(pids: set[int], kill_after: float = 1.0) -> list[dict[str, object]
     for pid in pids:
         _reap(pid)
     return described
+
+
+def describe_running(pids: set[int]) -> list[dict[str, object]]:
+    """A description of each of ``pids`` that still runs (left running)."""
+    import psutil
+
+    from . import proctree
+
+    procs = []
+    for pid in sorted(pids):
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            continue
+    return [proctree.describe(p) for p in proctree.alive(procs)]
 
 
 def _reap(pid: int) -> None:

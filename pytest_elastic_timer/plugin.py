@@ -16,7 +16,6 @@ from collections.abc import Generator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import psutil
 import pytest
 from _pytest._code.code import ExceptionChainRepr, ReprEntryNative, ReprExceptionInfo
 
@@ -26,7 +25,6 @@ from . import (
     file_timer,
     launcher,
     leaks,
-    proctree,
     records,
     scopes,
     startup,
@@ -746,7 +744,7 @@ def _check_leaks(running: RunningTest, before: bytes, after: bytes) -> None:
     if not new:
         return
     mode = state.settings.leaks
-    left = leaks.end_leaks(new) if mode == "kill" else [proctree.describe(p) for p in _alive(new)]
+    left = leaks.end_leaks(new) if mode == "kill" else leaks.describe_running(new)
     if left:
         names = ", ".join(
             f"{p['pid']} ({' '.join(str(p['cmdline']).split())[:80] or p['name']})" for p in left
@@ -759,16 +757,6 @@ def _check_leaks(running: RunningTest, before: bytes, after: bytes) -> None:
             ),
             stacklevel=1,
         )
-
-
-def _alive(pids: set[int]) -> list[psutil.Process]:
-    procs = []
-    for pid in pids:
-        try:
-            procs.append(psutil.Process(pid))
-        except psutil.NoSuchProcess:
-            continue
-    return proctree.alive(procs)
 
 
 class ExpiryReports:

@@ -30,10 +30,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from . import proctree, records, wire
+from . import records, wire
 from . import table as tbl
 
 if TYPE_CHECKING:
+    from . import proctree
     from .watchdog import Watchdog
 
 OP_BARRIER = "sync.barrier"
@@ -459,7 +460,7 @@ class SyncServer:
         return Waiter(
             conn=conn,
             pid=peer_pid,
-            ident=proctree.ProcessId.of(peer_pid),
+            ident=_process_id(peer_pid),
             label=_text(fields, "label", MAX_NAME),
             site=_text(fields, "site", 4096),
             nodeid=_text(fields, "nodeid", 4096),
@@ -614,3 +615,10 @@ def install(dog: Watchdog) -> SyncServer:
 def server_of(dog: Watchdog) -> SyncServer:
     """The primitives' state in ``dog`` (for tests and debugging)."""
     return _servers[dog]
+
+
+def _process_id(pid: int) -> proctree.ProcessId | None:
+    # Imported here: the module is loaded into every pytest process, psutil is not.
+    from . import proctree
+
+    return proctree.ProcessId.of(pid)
