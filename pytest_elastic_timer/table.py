@@ -43,7 +43,9 @@ SLOT_SIZE = SLOT.size
 PHASE_SLOT = struct.Struct("<8xddQ8xIfHH4xQ")
 assert PHASE_SLOT.size == SLOT.size
 CAPACITY = 65536
-STRINGS_SIZE = 8 * 1024 * 1024
+# Append-only, and every test writes its entry (about 150 bytes): 64 MiB hold some
+# 400,000 tests in one process. The file is sparse: only written pages use memory.
+STRINGS_SIZE = 64 * 1024 * 1024
 SLOTS_OFFSET = HEADER_SIZE
 STRINGS_OFFSET = SLOTS_OFFSET + CAPACITY * SLOT_SIZE
 FILE_SIZE = STRINGS_OFFSET + STRINGS_SIZE

@@ -376,3 +376,25 @@ def test_due_slots_splits_open_slots_at_now(table: tbl.ScopeTable) -> None:
     earliest, due = table.due_slots(10.0)
     assert earliest == 15.0
     assert [(s.index, s.serial) for s in due] == [(0, 11)]
+
+
+def test_strings_area_holds_400000_test_entries() -> None:
+    """Every test writes its entry (about 150 bytes); a long single-process session
+    must not run out of names for its records. When the area is full, the sid is 0."""
+    table = tbl.ScopeTable.create(None)
+    try:
+        entry = tbl.test_entry(
+            "tests/unit/test_module_name.py::TestClass::test_something[param-a-1]",
+            "test_something[param-a-1]",
+            "/home/ci/work/project/tests/unit/test_module_name.py",
+            123,
+        )
+        assert 140 <= len(entry.encode()) <= 160
+        sids = [table.add_string(entry) for _ in range(400_000)]
+        assert all(sids) and table.string(sids[-1]) == entry
+        while table.add_string(entry):
+            pass
+        assert table.add_string(entry) == 0
+        assert table.string(sids[-1]) == entry  # what was written stays readable
+    finally:
+        table.close()
