@@ -9,8 +9,9 @@ the same commands (no valgrind, median of several repeats) is reported beside it
 Under valgrind and ``setarch -R`` (no address randomization, where it exists) one
 command's count is the same from run to run; but CPython's type-attribute cache is
 indexed by the addresses of the names looked up, so where the allocator happened to put
-them decides which lookups collide, and that moves a configuration's count per test by
-±0.25 % of plain pytest's with any change to the heap's history. Each configuration is
+them decides which lookups collide, and the heap's size decides where between the two
+test counts the full garbage collections fall: both move a configuration's count per
+test by ±0.25 % of plain pytest's with any change to the heap's history. Each configuration is
 therefore run under several heap layouts, one per ``PYTHONHASHSEED`` (which changes the
 order of allocations at import), every configuration under the same seeds; the
 overhead is the median over the seeds of each seed's ratio to plain pytest.

@@ -278,15 +278,14 @@ class ProcessState:
         """The test this process runs from now on; its one string in the table names
         the test's phase scopes too (see ``table.test_entry``)."""
         self.nodeid = nodeid
-        # tbl.test_entry(nodeid, name, path, line), inline: one call less per test.
-        self.nodeid_sid = self.table.add_string(f"{nodeid}\0{name}\0{path}:{line}")
+        self.nodeid_sid = self.table.add_string(tbl.test_entry(nodeid, name, path, line))
 
     def restore_test(self, nodeid: str, sid: int, phase: str) -> None:
         """Back to an earlier test (or none) in ``phase``, as :meth:`set_test` had
         written it."""
         self.nodeid = nodeid
         self.nodeid_sid = sid
-        self.table.words[tbl.H_PHASE_SID] = self.sids.get(phase) or self.sid(phase)
+        self.table.words[tbl.H_PHASE_SID] = self.sid(phase)
 
     # -- trace --------------------------------------------------------------------
     def traced(self, path: str, start: float, thread_id: int, expired: bool) -> None:

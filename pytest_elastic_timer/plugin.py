@@ -483,10 +483,7 @@ class RunningTest:
         self.depth = len(stack)  # scopes above this depth are the test's own
         self.outer_prefix = stack.prefix
         self.outer_sid = process.nodeid_sid
-        path, line, _ = item.location  # computed (and cached) by pytest before setup
-        file = state.files.get(path) or _file_of(path, state)
-        line = (line or 0) + 1
-        self.definition = (file, line)
+        file, line = self.definition = _place(item, state)
         process.set_test(nodeid, name, file, line)
         # _enter(self, "setup"), for a test that has no phase yet and no scopes.
         if process.trace is not None:
@@ -494,8 +491,8 @@ class RunningTest:
             self.started = time.monotonic()
         self.when = "setup"
         words = self.words = process.table.words
-        sids = self.sids = process.sids
-        words[_H_PHASE_SID] = sids.get("setup") or process.sid("setup")
+        self.sids = process.sids
+        words[_H_PHASE_SID] = process.sid("setup")
         if named:
             stack.prefix = f"{name}::setup"
 
@@ -520,14 +517,16 @@ def _definition(item: pytest.Item) -> tuple[str, int]:
     running = _current(item)
     if running is not None:
         return running.definition
-    path, line, _ = item.location
-    return (_file_of(path, item.config.stash[SESSION]), (line or 0) + 1)
+    return _place(item, item.config.stash[SESSION])
 
 
-def _file_of(path: str, state: SessionState) -> str:
-    """The absolute file of an item's location ``path`` (relative to rootdir)."""
-    file = state.files[path] = path if path.startswith("/") else f"{state.rootdir}/{path}"
-    return file
+def _place(item: pytest.Item, state: SessionState) -> tuple[str, int]:
+    """(absolute file, 1-based line) of ``item``'s location; files cached by path."""
+    path, line, _ = item.location  # computed (and cached) by pytest before setup
+    file = state.files.get(path)
+    if file is None:  # relative to rootdir, unless pytest gave an absolute one
+        file = state.files[path] = path if path.startswith("/") else f"{state.rootdir}/{path}"
+    return (file, (line or 0) + 1)
 
 
 def _budgets_or_fail(item: pytest.Item) -> Budgets:
