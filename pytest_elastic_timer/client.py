@@ -285,7 +285,8 @@ class ProcessState:
         written it."""
         self.nodeid = nodeid
         self.nodeid_sid = sid
-        self.table.words[tbl.H_PHASE_SID] = self.sid(phase)
+        # sid() inline for a string seen before: this runs after every test.
+        self.table.words[tbl.H_PHASE_SID] = self.sids.get(phase) or self.sid(phase)
 
     # -- trace --------------------------------------------------------------------
     def traced(self, path: str, start: float, thread_id: int, expired: bool) -> None:

@@ -447,6 +447,9 @@ def _parse_marker(nodeid: str, args: tuple[Any, ...], kwargs: Mapping[str, Any])
     return Budgets(keyword("setup"), seconds or None, keyword("teardown"), keyword("grace"))
 
 
+_CALL_FLAGS = tbl.FLAG_TEST_PHASE | tbl.PHASE_FLAGS["call"]
+
+
 # -- running: one scope per phase ----------------------------------------------------
 # Every hook implementation here is paid by every test (a wrapper costs about twice a
 # plain one), so the common case takes three: a plain hook for setup, a wrapper for the
@@ -461,11 +464,10 @@ class RunningTest:
     """What this process knows of the test it runs, from its setup to the end of its
     teardown."""
 
-    # Class-level defaults, as in TimerRequest: fewer stores for every test.
-    children: bytes | None = None  # this process's children when the call began
-    call_scope: TimerRequest | None = None
-    tracing = False
-    started = 0.0  # when the phase began, for the trace timeline
+    children: bytes | None  # this process's children when the call began
+    call_scope: TimerRequest | None
+    tracing: bool
+    started = 0.0  # when the phase began, for the trace timeline (only when tracing)
 
     def __init__(self, item: pytest.Item, state: SessionState, named: bool) -> None:
         """``item`` begins its setup in this process; ``named``: the setup's name is
@@ -486,13 +488,19 @@ class RunningTest:
         file, line = self.definition = _place(item, state)
         process.set_test(nodeid, name, file, line)
         # _enter(self, "setup"), for a test that has no phase yet and no scopes.
-        if process.trace is not None:
+        # Stored, not left to the class's defaults: the phases read them (see
+        # TimerRequest's defaults).
+        self.children = None
+        self.call_scope = None
+        if process.trace is None:
+            self.tracing = False
+        else:
             self.tracing = True
             self.started = time.monotonic()
         self.when = "setup"
         words = self.words = process.table.words
         self.sids = process.sids
-        words[_H_PHASE_SID] = process.sid("setup")
+        words[_H_PHASE_SID] = self.sids.get("setup") or process.sid("setup")
         if named:
             stack.prefix = f"{name}::setup"
 
@@ -591,10 +599,10 @@ pytest_runtest_setup = pytest.hookimpl(tryfirst=True)(_begin)
 
 
 class _CallScope(TimerRequest):
-    """The call phase's scope: its constant attributes are the class's."""
+    """The call phase's scope, made without __init__ (its budget was checked at
+    collection): the call wrapper stores what the hot path reads."""
 
     scope = None
-    flags = tbl.FLAG_TEST_PHASE | tbl.PHASE_FLAGS["call"]
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -615,10 +623,13 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
             _watch_failures(item.config)  # before pytest makes the call's report
             raise
     _enter(running, "call", named=False)  # the call's scope names the phase
-    scope = running.call_scope = _CallScope.__new__(_CallScope)  # checked at collection
+    scope = running.call_scope = _CallScope.__new__(_CallScope)
     scope.after = after
     scope.grace = budgets.grace
     scope.at = running.definition
+    scope.flags = _CALL_FLAGS
+    scope._state = None
+    scope._delivered = scope._cancelled = False
     try:
         scopes.enter_test_phase(scope, f"{running.name}::call", running.stack)
         try:
