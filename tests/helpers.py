@@ -35,6 +35,37 @@ LEAN = (
     "-p",
     "no:timeout",
 )
+
+# A test whose helper process (no scopes of its own, not a rank) sleeps in
+# serve_forever() until the test's 2 s budget ends; the helper's pid is in helper.pid.
+PLAIN_CHILD_TEST = '''
+import subprocess
+import sys
+
+import pytest
+
+HELPER = """
+import time
+
+def serve_forever():
+    time.sleep(3600)
+
+serve_forever()
+"""
+
+
+@pytest.mark.expires(2)
+def test_plain():
+    helper = subprocess.Popen([sys.executable, "-c", HELPER])
+    with open("helper.pid", "w") as f:
+        f.write(str(helper.pid))
+    try:
+        helper.wait()
+    finally:
+        helper.kill()
+        helper.wait()
+'''
+
 HEADER = re.compile(
     r"^elastic-timer: watchdog pid (\d+), default budget (\S+), grace (\S+), scale (\S+)$"
 )

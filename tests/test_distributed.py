@@ -24,7 +24,7 @@ from pytest_elastic_timer import startup
 pytest.importorskip("torch", reason="the distributed tests need torch (gloo backend)")
 pytest.importorskip("torch.distributed", reason="torch without torch.distributed")
 
-from helpers import Session, run, scope_line, wait_gone
+from helpers import PLAIN_CHILD_TEST, Session, run, scope_line, wait_gone
 
 XDIST = (
     *("-p", "no:cacheprovider", "-p", "no:asyncio", "-p", "no:hypothesispytest"),
@@ -358,37 +358,8 @@ def test_multi_process_test_case_bounded_by_expires(pytester: pytest.Pytester) -
 
 
 # -- a plain Python child: its stack in the failure ----------------------------------
-PLAIN_CHILD = '''
-import subprocess
-import sys
-
-import pytest
-
-HELPER = """
-import time
-
-def serve_forever():
-    time.sleep(3600)
-
-serve_forever()
-"""
-
-
-@pytest.mark.expires(2)
-def test_plain():
-    helper = subprocess.Popen([sys.executable, "-c", HELPER])
-    with open("helper.pid", "w") as f:
-        f.write(str(helper.pid))
-    try:
-        helper.wait()
-    finally:
-        helper.kill()
-        helper.wait()
-'''
-
-
 def test_plain_child_stack_in_failure_sections(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(test_plain=PLAIN_CHILD)
+    pytester.makepyfile(test_plain=PLAIN_CHILD_TEST)
     session = run(pytester, "-rA")
     session.assert_clean()
     session.result.assert_outcomes(failed=1)
@@ -409,7 +380,7 @@ def test_nested_session_child_stack_in_failure_sections(
     outer = pytester.mkdir("outer")
     monkeypatch.setenv("PYTHONPATH", startup.install(str(outer)))
     monkeypatch.setenv(startup.ENV_DUMP_SIGNAL, str(startup.session_dump_signal()))
-    pytester.makepyfile(test_plain=PLAIN_CHILD)
+    pytester.makepyfile(test_plain=PLAIN_CHILD_TEST)
     session = run(pytester, "-rA", nested=True)
     helper = int((pytester.path / "helper.pid").read_text())
     block = failure_block(session, "test_plain")

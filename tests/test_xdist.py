@@ -22,7 +22,7 @@ from typing import Any
 
 import psutil
 import pytest
-from helpers import Session, run, scope_line, wait_gone
+from helpers import PLAIN_CHILD_TEST, Session, run, scope_line, wait_gone
 
 # Inner sessions under xdist: the lean plugin set of helpers.LEAN without "-p no:xdist".
 XDIST = (
@@ -590,12 +590,10 @@ def test_session_scope_record_outside_tests_names_no_outer_test(
 
 
 # -- processes a test started, under xdist: their records in the failure text --------
-CHILDREN = '''
+CHILDREN = (
+    PLAIN_CHILD_TEST
+    + '''
 import os
-import subprocess
-import sys
-
-import pytest
 
 CHILD = """
 import time
@@ -603,31 +601,14 @@ import pytest_elastic_timer
 with pytest_elastic_timer.expires(0.5, scope="child"):
     time.sleep(30)
 """
-PLAIN = """
-import time
-
-def serve_forever():
-    time.sleep(3600)
-
-serve_forever()
-"""
 
 
 def test_rank():
     env = dict(os.environ, RANK="0")
     proc = subprocess.run([sys.executable, "-c", CHILD], env=env, timeout=60)
     assert proc.returncode == 0
-
-
-@pytest.mark.expires(2)
-def test_plain():
-    helper = subprocess.Popen([sys.executable, "-c", PLAIN])
-    try:
-        helper.wait()
-    finally:
-        helper.kill()
-        helper.wait()
 '''
+)
 
 
 def test_child_records_in_failure_text_under_xdist(pytester: pytest.Pytester) -> None:
