@@ -231,3 +231,45 @@ def assert_in_budget(session: Session, record: dict[str, Any], budget: float) ->
     assert session.seconds < budget + 10
     assert record["budget"] == pytest.approx(budget)
     assert budget <= record["elapsed"] < budget + 3
+
+
+# -- the failure entries of an inner session's terminal output -----------------------
+def failure_block(session: Session, name: str) -> str:
+    """The text of test ``name``'s failure (or error) entry, up to the next entry."""
+    lines = session.stdout.splitlines()
+    head = re.compile(rf"^_+ (ERROR at \w+ of )?{re.escape(name)} _+$")
+    start = next((i for i, line in enumerate(lines) if head.match(line)), None)
+    assert start is not None, f"no failure entry for {name!r} in:\n{session.stdout}"
+    end = start + 1
+    while end < len(lines) and not re.match(r"^(_{3,} \S.* _{3,}|={3,} .* ={3,})$", lines[end]):
+        end += 1
+    return "\n".join(lines[start:end])
+
+
+def sections(block: str, title: str) -> list[str]:
+    """The texts of every report section in ``block`` (a ``---- title ----`` line and
+    what follows) whose title starts with ``title``."""
+    lines = block.splitlines()
+    head = re.compile(rf"^-+ {re.escape(title)}.* -+$")
+    found = []
+    for start, line in enumerate(lines):
+        if head.match(line):
+            end = start + 1
+            while end < len(lines) and not re.match(r"^-{3,} .* -{3,}$", lines[end]):
+                end += 1
+            found.append("\n".join(lines[start + 1 : end]))
+    return found
+
+
+def section(block: str, title: str) -> str:
+    """The text of the first report section in ``block`` whose title starts with
+    ``title``."""
+    found = sections(block, title)
+    assert found, f"no section {title!r} in:\n{block}"
+    return found[0]
+
+
+def lead(session: Session, name: str) -> str:
+    """The first line of test ``name``'s failure, after xdist's ``[gw0] linux -- ...``."""
+    lines = failure_block(session, name).splitlines()[1:]
+    return next((s for s in lines if s.strip() and not re.match(r"^\[gw\d+\] ", s)), "")

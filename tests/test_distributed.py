@@ -24,7 +24,16 @@ from pytest_elastic_timer import startup
 pytest.importorskip("torch", reason="the distributed tests need torch (gloo backend)")
 pytest.importorskip("torch.distributed", reason="torch without torch.distributed")
 
-from helpers import PLAIN_CHILD_TEST, Session, run, scope_line, wait_gone
+from helpers import (
+    PLAIN_CHILD_TEST,
+    Session,
+    failure_block,
+    lead,
+    run,
+    scope_line,
+    sections,
+    wait_gone,
+)
 
 XDIST = (
     *("-p", "no:cacheprovider", "-p", "no:asyncio", "-p", "no:hypothesispytest"),
@@ -214,38 +223,6 @@ def top_level_pythonpath(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv("PYTHONPATH", os.pathsep.join(kept))
     else:
         monkeypatch.delenv("PYTHONPATH", raising=False)
-
-
-def failure_block(session: Session, name: str) -> str:
-    """The text of test ``name``'s failure entry, up to the next entry."""
-    lines = session.stdout.splitlines()
-    head = re.compile(rf"^_+ (ERROR at \w+ of )?{re.escape(name)} _+$")
-    start = next((i for i, line in enumerate(lines) if head.match(line)), None)
-    assert start is not None, f"no failure entry for {name!r} in:\n{session.stdout}"
-    end = start + 1
-    while end < len(lines) and not re.match(r"^(_{3,} \S.* _{3,}|={3,} .* ={3,})$", lines[end]):
-        end += 1
-    return "\n".join(lines[start:end])
-
-
-def sections(block: str, title: str) -> list[str]:
-    """The texts of every report section in ``block`` whose title starts with ``title``."""
-    lines = block.splitlines()
-    head = re.compile(rf"^-+ {re.escape(title)}.* -+$")
-    found = []
-    for start, line in enumerate(lines):
-        if head.match(line):
-            end = start + 1
-            while end < len(lines) and not re.match(r"^-{3,} .* -{3,}$", lines[end]):
-                end += 1
-            found.append("\n".join(lines[start + 1 : end]))
-    return found
-
-
-def lead(session: Session, name: str) -> str:
-    """The failure's first line, after xdist's ``[gw0] linux -- Python ...`` if any."""
-    lines = failure_block(session, name).splitlines()[1:]
-    return next((s for s in lines if s.strip() and not re.match(r"^\[gw\d+\] ", s)), "")
 
 
 def rank_files(pytester: pytest.Pytester, test: str) -> dict[int, tuple[int, float]]:

@@ -22,7 +22,16 @@ from typing import Any
 
 import psutil
 import pytest
-from helpers import PLAIN_CHILD_TEST, Session, run, scope_line, wait_gone
+from helpers import (
+    PLAIN_CHILD_TEST,
+    Session,
+    failure_block,
+    lead,
+    run,
+    scope_line,
+    section,
+    wait_gone,
+)
 
 # Inner sessions under xdist: the lean plugin set of helpers.LEAN without "-p no:xdist".
 XDIST = (
@@ -32,7 +41,6 @@ XDIST = (
 GRACE = "--elastic-timer-grace=0.5"
 HARD = "(?:terminated|killed)"
 RESULT = re.compile(r"^(PASSED|FAILED|ERROR|TIMEOUT|SKIPPED|XFAIL|XPASS) (\S+)")
-XDIST_HEAD = re.compile(r"^\[gw\d+\] \S+ -- Python ")
 SUMMARY = re.compile(r"^=+ (.*) in [\d.]+s(?: \([^)]*\))? =+$")
 
 # Written by each inner test: "<worker id> <pid>" per run, so runs can be counted.
@@ -133,37 +141,6 @@ def assert_all_gone(session: Session, pids: set[int]) -> None:
     session.assert_clean()
     alive = [pid for pid in sorted(pids) if not wait_gone(pid, 5.0)]
     assert not alive, f"still running after the session: {alive}"
-
-
-def failure_block(session: Session, name: str) -> str:
-    """The text of test ``name``'s failure (or error) entry, up to the next entry."""
-    lines = session.stdout.splitlines()
-    head = re.compile(rf"^_+ (ERROR at \w+ of )?{re.escape(name)} _+$")
-    start = next((i for i, line in enumerate(lines) if head.match(line)), None)
-    assert start is not None, f"no failure entry for {name!r} in:\n{session.stdout}"
-    end = start + 1
-    while end < len(lines) and not re.match(r"^(_{3,} \S.* _{3,}|={3,} .* ={3,})$", lines[end]):
-        end += 1
-    return "\n".join(lines[start:end])
-
-
-def lead(session: Session, name: str) -> str:
-    """The first line of test ``name``'s failure, after xdist's ``[gw0] linux -- ...``."""
-    lines = failure_block(session, name).splitlines()[1:]
-    return next((s for s in lines if s.strip() and not XDIST_HEAD.match(s)), "")
-
-
-def section(block: str, title: str) -> str:
-    """The text of the report section in ``block`` whose title (a ``---- title ----``
-    line) starts with ``title``."""
-    lines = block.splitlines()
-    head = re.compile(rf"^-+ {re.escape(title)}.* -+$")
-    start = next((i for i, line in enumerate(lines) if head.match(line)), None)
-    assert start is not None, f"no section {title!r} in:\n{block}"
-    end = start + 1
-    while end < len(lines) and not re.match(r"^-{3,} .* -{3,}$", lines[end]):
-        end += 1
-    return "\n".join(lines[start + 1 : end])
 
 
 def records_of(session: Session, nodeid: str) -> list[dict[str, Any]]:
