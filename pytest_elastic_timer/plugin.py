@@ -487,11 +487,11 @@ class RunningTest:
         self.outer_sid = process.nodeid_sid
         file, line = self.definition = _place(item, state)
         process.set_test(nodeid, name, file, line)
-        # _enter(self, "setup"), for a test that has no phase yet and no scopes.
-        # Stored, not left to the class's defaults: the phases read them (see
+        # Stored, not left to class-level defaults: the phases read them (see
         # TimerRequest's defaults).
         self.children = None
         self.call_scope = None
+        # _enter(self, "setup"), for a test that has no phase yet and no scopes.
         if process.trace is None:
             self.tracing = False
         else:
