@@ -598,13 +598,6 @@ def _begin(item: pytest.Item, *, named: bool = True) -> None:
 pytest_runtest_setup = pytest.hookimpl(tryfirst=True)(_begin)
 
 
-class _CallScope(TimerRequest):
-    """The call phase's scope, made without __init__ (its budget was checked at
-    collection): the call wrapper stores what the hot path reads."""
-
-    scope = None
-
-
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
     running = _running[-1] if _running else None
@@ -623,15 +616,15 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
             _watch_failures(item.config)  # before pytest makes the call's report
             raise
     _enter(running, "call", named=False)  # the call's scope names the phase
-    scope = running.call_scope = _CallScope.__new__(_CallScope)
-    scope.after = after
-    scope.grace = budgets.grace
-    scope.at = running.definition
-    scope.flags = _CALL_FLAGS
-    scope._state = None
-    scope._delivered = scope._cancelled = False
     try:
-        scopes.enter_test_phase(scope, f"{running.name}::call", running.stack)
+        scope = running.call_scope = scopes.enter_test_phase(
+            after,
+            budgets.grace,
+            running.definition,
+            _CALL_FLAGS,
+            f"{running.name}::call",
+            running.stack,
+        )
         try:
             result = yield
         except BaseException as exc:

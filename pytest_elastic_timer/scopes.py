@@ -505,29 +505,47 @@ class TimerRequest:
         return f"<TimerRequest {self.path or self.scope!r} after={self.after}>"
 
 
-def enter_test_phase(scope: TimerRequest, name: str, stack: _Stack) -> None:
-    """Enter ``scope``, a test phase's (flags ``FLAG_TEST_PHASE``), named ``name``, on
-    ``stack``, the calling thread's (:func:`thread_stack`).
+class _PhaseScope(TimerRequest):
+    """A test phase's scope, made by :func:`enter_test_phase` without ``__init__``: the
+    plugin checked its budget when the test was collected."""
+
+    scope = None
+
+
+def enter_test_phase(
+    after: float,
+    grace: float | None,
+    at: tuple[str, int],
+    flags: int,
+    name: str,
+    stack: _Stack,
+) -> TimerRequest:
+    """Make and enter the scope of a test phase (``flags`` with ``FLAG_TEST_PHASE``)
+    that must end within ``after`` seconds, named ``name``, reported at ``at``, on
+    ``stack``, the calling thread's (:func:`thread_stack`); the scope is returned.
 
     The plugin's hot path for every test: no call site to look up and no string to
     write, because the watchdog names such a slot after the test entry of the table
-    (``ProcessState.set_test``). Leave it with ``scope.__exit__``.
+    (``ProcessState.set_test``). Leave it with :func:`leave_test_phase`.
     """
-    if scope._state is not None:
-        raise RuntimeError(f"scope {scope.path!r} is already active")
+    scope = _PhaseScope.__new__(_PhaseScope)
+    # What the hot path reads, stored as __init__ stores it (see TimerRequest's
+    # defaults); the scope is new, so it cannot be active already.
+    scope.after = after
+    scope.grace = grace
+    scope.at = at
+    scope.flags = flags
+    scope._delivered = scope._cancelled = False
     state = _state or process_state()
     parent = stack[-1].path if stack else stack.prefix
     scope.path = f"{parent}/{name}" if parent else name
     scope._state = state
     scope._stack = stack
     now = scope._start = monotonic()
-    after = scope.after
-    assert after is not None
     deadline = scope._deadline = now + after * state.scale
     free = state.free
     slot = scope._slot = free.pop() if free else state.alloc()
     serial = scope._serial = state.next_serial()
-    grace = scope.grace
     _PACK_PHASE_SLOT(
         state.table.mm,
         _SLOTS_OFFSET + slot * _SLOT_SIZE,
@@ -537,7 +555,7 @@ def enter_test_phase(scope: TimerRequest, name: str, stack: _Stack) -> None:
         state.nodeid_sid,
         0.0 if grace is None else grace,
         len(stack),
-        scope.flags,
+        flags,
         serial,
     )
     state.table.slot_words[slot << 3] = serial  # last, as in __enter__
@@ -545,6 +563,7 @@ def enter_test_phase(scope: TimerRequest, name: str, stack: _Stack) -> None:
     if deadline < armed or not armed:
         state.notify(deadline)
     stack.append(scope)
+    return scope
 
 
 def leave_test_phase(scope: TimerRequest, exc: BaseException | None) -> None:
