@@ -485,13 +485,20 @@ class RunningTest:
         self.depth = len(stack)  # scopes above this depth are the test's own
         self.outer_prefix = stack.prefix
         self.outer_sid = process.nodeid_sid
-        file, line = self.definition = _place(item, state)
+        # _place(item, state), inline: it runs for every test.
+        path, line, _ = item.location  # computed (and cached) by pytest before setup
+        file = state.files.get(path)
+        if file is None:
+            file = state.files[path] = path if path.startswith("/") else f"{state.rootdir}/{path}"
+        line = (line or 0) + 1
+        self.definition = (file, line)
         process.set_test(nodeid, name, file, line)
         # Stored, not left to class-level defaults: the phases read them (see
         # TimerRequest's defaults).
         self.children = None
         self.call_scope = None
-        # _enter(self, "setup"), for a test that has no phase yet and no scopes.
+        # The setup begins (as the call and teardown wrappers begin their phases), for a
+        # test that has no phase yet and no scopes.
         if process.trace is None:
             self.tracing = False
         else:
@@ -548,25 +555,6 @@ def _current(item: pytest.Item) -> RunningTest | None:
     return _running[-1] if _running and _running[-1].item is item else None
 
 
-def _enter(running: RunningTest, when: str, *, named: bool = True) -> None:
-    """The test's phase ``when`` begins: the owner's phase word and, if ``named``, the
-    name that scopes entered in it nest below. The phase before it ends, closing the
-    scopes it left open."""
-    if running.when == when:
-        return  # a wrapper for the phase's budget did it already
-    if running.tracing:
-        _trace_phase(running)
-    running.when = when
-    try:
-        running.words[_H_PHASE_SID] = running.sids[when]
-    except KeyError:  # the first test of this process: the phase's string is new
-        running.words[_H_PHASE_SID] = running.process.sid(when)
-    stack = running.stack
-    if len(stack) > running.depth:
-        scopes.close_above(stack, running.depth, stack.prefix)
-    stack.prefix = f"{running.name}::{when}" if named else running.outer_prefix
-
-
 def _trace_phase(running: RunningTest) -> None:
     """The timeline shows every phase without a scope of its own."""
     stack = running.stack
@@ -607,15 +595,23 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
     budgets = state.budgets.get(item) or _budgets_or_fail(item)
     if state.leaks:
         running.children = leaks.snapshot()
+    # The call phase begins: the phase word, and the scopes setup left open close.
+    if running.tracing:
+        _trace_phase(running)
+    running.when = "call"
+    running.words[_H_PHASE_SID] = running.sids.get("call") or running.process.sid("call")
+    stack = running.stack
+    if len(stack) > running.depth:
+        scopes.close_above(stack, running.depth, stack.prefix)
     after = budgets.call
     if after is None:
-        _enter(running, "call")
+        stack.prefix = f"{running.name}::call"  # no scope of its own names the phase
         try:
             return (yield)
         except BaseException:
             _watch_failures(item.config)  # before pytest makes the call's report
             raise
-    _enter(running, "call", named=False)  # the call's scope names the phase
+    stack.prefix = running.outer_prefix  # the call's scope names the phase
     try:
         scope = running.call_scope = scopes.enter_test_phase(
             after,
@@ -623,7 +619,7 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
             running.definition,
             _CALL_FLAGS,
             f"{running.name}::call",
-            running.stack,
+            stack,
         )
         try:
             result = yield
@@ -657,7 +653,18 @@ def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
     running = _running[-1] if _running else None
     if running is None or running.item is not item:
         return (yield)
-    _enter(running, "teardown")
+    # The teardown begins, as the call began (a wrapper for its budget may have done it).
+    if running.when != "teardown":
+        if running.tracing:
+            _trace_phase(running)
+        running.when = "teardown"
+        running.words[_H_PHASE_SID] = running.sids.get("teardown") or running.process.sid(
+            "teardown"
+        )
+        stack = running.stack
+        if len(stack) > running.depth:
+            scopes.close_above(stack, running.depth, stack.prefix)
+        stack.prefix = f"{running.name}::teardown"
     try:
         return (yield)
     finally:
@@ -678,8 +685,13 @@ def _finish(running: RunningTest) -> None:
     stack.prefix = running.outer_prefix
     # Back to the test that runs this session in-process, if any.
     outer = _running[-1] if _running else None
-    if outer is None:
-        running.process.restore_test("", running.outer_sid, "between tests")
+    if outer is None:  # process.restore_test("", outer_sid, "between tests"), inline
+        process = running.process
+        process.nodeid = ""
+        process.nodeid_sid = running.outer_sid
+        running.words[_H_PHASE_SID] = running.sids.get("between tests") or process.sid(
+            "between tests"
+        )
     else:
         running.process.restore_test(outer.nodeid, running.outer_sid, outer.when)
     before = running.children

@@ -29,7 +29,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 MAGIC = 0x3130_4C42_5454_4550  # b"PETTBL01" read as a little-endian u64
@@ -74,10 +74,11 @@ PHASE_FLAGS = {"setup": 1 << 1, "call": 2 << 1, "teardown": 3 << 1}
 _PHASE_NAMES = {code: name for name, code in PHASE_FLAGS.items()}
 
 
-# ``test_entry(nodeid, name, path, line)``: one test's string in the table, its nodeid,
-# name and ``path:line`` of its definition. A bound ``str.format``, not a function:
-# every test makes one, and a call into C costs no Python frame.
-test_entry: Callable[[str, str, str, int], str] = "{}\0{}\0{}:{}".format
+def test_entry(nodeid: str, name: str, path: str, line: int) -> str:
+    """One test's string in the table: its nodeid, name and ``path:line`` of its
+    definition (``ProcessState.set_test`` writes the same f-string inline: every test
+    makes one, and an f-string costs half of ``str.format``)."""
+    return f"{nodeid}\0{name}\0{path}:{line}"
 
 
 def split_test_entry(text: str) -> tuple[str, str, str]:
@@ -177,7 +178,10 @@ class ScopeTable:
     # -- strings ------------------------------------------------------------------
     def add_string(self, text: str) -> int:
         """Append ``text`` and return its sid (0 if the strings area is full)."""
-        data = text.encode("utf-8", "replace")
+        try:
+            data = text.encode()
+        except UnicodeEncodeError:  # a lone surrogate; the error handler costs every call
+            data = text.encode("utf-8", "replace")
         size = len(data)
         if size > 4096:
             data = data[:4096]
