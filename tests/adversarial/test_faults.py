@@ -107,6 +107,12 @@ class Inner:
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
+            # Where it hung, for the message: pytest's faulthandler prints the stack of
+            # every thread of the session's process on SIGABRT.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGABRT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(5)
             self.kill_group()
             raise AssertionError(f"the session hung:\n{self.text}") from None
 
