@@ -485,11 +485,9 @@ class RunningTest:
         self.depth = len(stack)  # scopes above this depth are the test's own
         self.outer_prefix = stack.prefix
         self.outer_sid = process.nodeid_sid
-        # _place(item, state), inline: it runs for every test.
+        # _place(item, state), inline but for a file not seen before: every test runs it.
         path, line, _ = item.location  # computed (and cached) by pytest before setup
-        file = state.files.get(path)
-        if file is None:
-            file = state.files[path] = path if path.startswith("/") else f"{state.rootdir}/{path}"
+        file = state.files.get(path) or _file_of(path, state)
         line = (line or 0) + 1
         self.definition = (file, line)
         process.set_test(nodeid, name, file, line)
@@ -538,10 +536,14 @@ def _definition(item: pytest.Item) -> tuple[str, int]:
 def _place(item: pytest.Item, state: SessionState) -> tuple[str, int]:
     """(absolute file, 1-based line) of ``item``'s location; files cached by path."""
     path, line, _ = item.location  # computed (and cached) by pytest before setup
-    file = state.files.get(path)
-    if file is None:  # relative to rootdir, unless pytest gave an absolute one
-        file = state.files[path] = path if path.startswith("/") else f"{state.rootdir}/{path}"
-    return (file, (line or 0) + 1)
+    return (state.files.get(path) or _file_of(path, state), (line or 0) + 1)
+
+
+def _file_of(path: str, state: SessionState) -> str:
+    """The absolute file of a location's ``path``, now cached in ``state.files``:
+    relative to rootdir, unless pytest gave an absolute one."""
+    file = state.files[path] = path if path.startswith("/") else f"{state.rootdir}/{path}"
+    return file
 
 
 def _budgets_or_fail(item: pytest.Item) -> Budgets:
@@ -685,13 +687,8 @@ def _finish(running: RunningTest) -> None:
     stack.prefix = running.outer_prefix
     # Back to the test that runs this session in-process, if any.
     outer = _running[-1] if _running else None
-    if outer is None:  # process.restore_test("", outer_sid, "between tests"), inline
-        process = running.process
-        process.nodeid = ""
-        process.nodeid_sid = running.outer_sid
-        running.words[_H_PHASE_SID] = running.sids.get("between tests") or process.sid(
-            "between tests"
-        )
+    if outer is None:
+        running.process.restore_test("", running.outer_sid, "between tests")
     else:
         running.process.restore_test(outer.nodeid, running.outer_sid, outer.when)
     before = running.children
