@@ -209,7 +209,7 @@ def floor_worker(quick: bool) -> None:
 
 def soft_worker(attached: bool, quick: bool) -> None:
     common.scrub_own_env()
-    from pytest_elastic_timer import launcher
+    from pytest_elastic_timer.plugin import launcher
 
     handle = launcher.start(grace=2, scale=1, report=None, session={}) if attached else None
     result: dict[str, Any] = {}
@@ -217,7 +217,7 @@ def soft_worker(attached: bool, quick: bool) -> None:
         if handle is not None:
             os.environ["PYTEST_ELASTIC_TIMER"] = handle.address
         import pytest_elastic_timer as et
-        from pytest_elastic_timer import scopes
+        from pytest_elastic_timer.scope import scopes
 
         with et.expires(30):
             pass
@@ -253,7 +253,7 @@ def hard_worker(quick: bool) -> None:
     common.scrub_own_env()
     import tempfile
 
-    from pytest_elastic_timer import launcher
+    from pytest_elastic_timer.plugin import launcher
 
     report = tempfile.mktemp(prefix="bench-hard-", suffix=".json")
     handle = launcher.start(grace=GRACE, scale=1, report=report, session={})

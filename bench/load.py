@@ -50,7 +50,7 @@ WORKER = (
     """
 import json, os, sys, time
 import pytest_elastic_timer as et
-from pytest_elastic_timer import scopes
+from pytest_elastic_timer.scope import scopes
 
 rate, depth, duration, every, budget, offset = map(float, sys.argv[1:7])
 depth = int(depth)
@@ -131,7 +131,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     import psutil
 
     common.scrub_own_env()
-    from pytest_elastic_timer import launcher
+    from pytest_elastic_timer.plugin import launcher
 
     report = os.path.join(tempfile.mkdtemp(prefix="pet-load-"), "report.json")
     handle = launcher.start(grace=0.5, scale=1.0, report=report, session={})

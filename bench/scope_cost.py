@@ -101,12 +101,12 @@ def _setup_ours(attached: bool) -> dict[str, Any]:
     info: dict[str, Any] = {}
     handle = None
     if attached:
-        from pytest_elastic_timer import launcher
+        from pytest_elastic_timer.plugin import launcher
 
         handle = launcher.start(grace=2, scale=1, report=None, session={})
         os.environ["PYTEST_ELASTIC_TIMER"] = handle.address
     import pytest_elastic_timer as et
-    from pytest_elastic_timer import scopes
+    from pytest_elastic_timer.scope import scopes
 
     with et.expires(30):  # attaches
         pass
@@ -326,7 +326,7 @@ def burst_worker() -> None:
     common.scrub_own_env()
     import json
 
-    from pytest_elastic_timer import launcher
+    from pytest_elastic_timer.plugin import launcher
 
     report = tempfile.mktemp(prefix="bench-burst-", suffix=".json")
     handle = launcher.start(grace=2, scale=1, report=report, session={})
@@ -334,7 +334,7 @@ def burst_worker() -> None:
     try:
         os.environ["PYTEST_ELASTIC_TIMER"] = handle.address
         import pytest_elastic_timer as et
-        from pytest_elastic_timer import scopes
+        from pytest_elastic_timer.scope import scopes
 
         with et.expires(30):
             pass

@@ -32,7 +32,7 @@ OPEN_SCOPES = 100_000
 CHILD = """
 import json, sys, threading, time
 import pytest_elastic_timer as et
-from pytest_elastic_timer import scopes
+from pytest_elastic_timer.scope import scopes
 
 def say(**fields):
     sys.stdout.write(json.dumps(fields) + "\\n")
@@ -128,7 +128,7 @@ def measure(quick: bool) -> dict[str, Any]:
     import psutil
 
     common.scrub_own_env()
-    from pytest_elastic_timer import launcher
+    from pytest_elastic_timer.plugin import launcher
 
     idle_seconds = 2.0 if quick else 5.0
     burst = 50_000 if quick else 300_000
@@ -139,7 +139,7 @@ def measure(quick: bool) -> dict[str, Any]:
         dog = psutil.Process(handle.pid)
         os.environ["PYTEST_ELASTIC_TIMER"] = handle.address
         import pytest_elastic_timer as et
-        from pytest_elastic_timer import scopes
+        from pytest_elastic_timer.scope import scopes
 
         scope = et.TimerRequest(60, scope="idle").acquire()
         result["attached"] = scopes.process_state().sock is not None

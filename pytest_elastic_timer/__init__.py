@@ -6,7 +6,7 @@ process that lives outside every test process; see https://pytest-elastic-timer 
 
 from __future__ import annotations
 
-from .scopes import (
+from pytest_elastic_timer.scope.scopes import (
     ScopeExpired,
     TimeoutException,
     TimerRequest,
@@ -14,7 +14,8 @@ from .scopes import (
     expires,
     set_label,
 )
-from .sync import (
+from pytest_elastic_timer.scope.torch_compat import TimerClient, configure_torch
+from pytest_elastic_timer.sync.client import (
     BarrierTimeout,
     Event,
     EventTimeout,
@@ -26,7 +27,6 @@ from .sync import (
     barrier,
     lock,
 )
-from .torch_compat import TimerClient, configure_torch
 
 __all__ = [
     "BarrierTimeout",

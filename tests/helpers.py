@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 try:
-    from pytest_elastic_timer.startup import ENV_DUMP_SIGNAL
+    from pytest_elastic_timer.core.startup import ENV_DUMP_SIGNAL
 except ImportError:  # a version without start-up stack dumps
     ENV_DUMP_SIGNAL = "PYTEST_ELASTIC_TIMER_DUMP_SIGNAL"
 

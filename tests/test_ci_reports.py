@@ -19,8 +19,9 @@ import jsonschema
 import pytest
 from helpers import HEADER, LEAN, REPORT_NAME, Session, run, scope_line, wait_gone
 
-from pytest_elastic_timer import ci_reports, junit_fallback, trace
-from pytest_elastic_timer.records import ExpiryRecord
+from pytest_elastic_timer.ci import junit_fallback, trace
+from pytest_elastic_timer.ci import reports as ci_reports
+from pytest_elastic_timer.core.records import ExpiryRecord
 
 # Inner sessions under xdist: LEAN without "-p no:xdist".
 XDIST = (

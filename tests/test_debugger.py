@@ -37,7 +37,7 @@ def test_without_debugger_the_same_scope_expires() -> None:
 
 
 def test_coverage_style_tracer_is_not_a_debugger() -> None:
-    from pytest_elastic_timer.scopes import _under_debugger
+    from pytest_elastic_timer.scope.scopes import _under_debugger
 
     def plain_tracer(frame: object, event: str, arg: object) -> None:
         return None

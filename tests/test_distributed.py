@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from pytest_elastic_timer import startup
+from pytest_elastic_timer.core import startup
 
 pytest.importorskip("torch", reason="the distributed tests need torch (gloo backend)")
 pytest.importorskip("torch.distributed", reason="torch without torch.distributed")

@@ -620,7 +620,7 @@ def test_report_written_before_pytest_is_ended_follows_the_schema(
 ) -> None:
     import jsonschema
 
-    from pytest_elastic_timer import ci_reports
+    from pytest_elastic_timer.ci import reports as ci_reports
 
     stubborn(pytester)
     session = run(pytester, "--elastic-timer-grace=0.3")

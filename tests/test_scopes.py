@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import pytest_elastic_timer as et
-from pytest_elastic_timer import scopes
+from pytest_elastic_timer.scope import scopes
 
 EARLY = scopes._EARLY  # a signal is honoured this much before a deadline
 

@@ -29,9 +29,11 @@ import pytest
 from helpers import LEAN, run
 
 import pytest_elastic_timer as et
-from pytest_elastic_timer import proctree, sync_server, wire
-from pytest_elastic_timer import watchdog as wd
-from pytest_elastic_timer.client import ENV_ADDRESS
+from pytest_elastic_timer.core import wire
+from pytest_elastic_timer.scope.client import ENV_ADDRESS
+from pytest_elastic_timer.sync import server as sync_server
+from pytest_elastic_timer.watchdog import proctree
+from pytest_elastic_timer.watchdog import server as wd
 
 SLACK = 0.5  # how long after its timeout a waiter may be released
 WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")  # when this suite runs under xdist

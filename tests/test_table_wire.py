@@ -13,8 +13,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from pytest_elastic_timer import records, wire
-from pytest_elastic_timer import table as tbl
+from pytest_elastic_timer.core import records, wire
+from pytest_elastic_timer.core import table as tbl
 
 U64 = st.integers(min_value=1, max_value=2**64 - 1)
 U32 = st.integers(min_value=0, max_value=2**32 - 1)
@@ -355,7 +355,7 @@ def test_test_entry_round_trip(table: tbl.ScopeTable) -> None:
 
 def test_set_test_writes_the_test_entry() -> None:
     """ProcessState.set_test writes test_entry's string inline: the two agree."""
-    from pytest_elastic_timer import scopes
+    from pytest_elastic_timer.scope import scopes
 
     state = scopes.process_state()
     nodeid, sid = state.nodeid, state.nodeid_sid  # the running test's, put back below

@@ -24,10 +24,11 @@ import psutil
 import pytest
 from helpers import ENV_DUMP_SIGNAL
 
-from pytest_elastic_timer import proctree, records, wire
-from pytest_elastic_timer import table as tbl
-from pytest_elastic_timer import watchdog as wd
-from pytest_elastic_timer.client import ENV_ADDRESS
+from pytest_elastic_timer.core import records, wire
+from pytest_elastic_timer.core import table as tbl
+from pytest_elastic_timer.scope.client import ENV_ADDRESS
+from pytest_elastic_timer.watchdog import proctree
+from pytest_elastic_timer.watchdog import server as wd
 
 
 @pytest.fixture

@@ -36,7 +36,10 @@ from typing import Any
 import psutil
 import pytest
 
-from pytest_elastic_timer import client, file_timer, launcher, proctree, startup, wire
+from pytest_elastic_timer.core import startup, wire
+from pytest_elastic_timer.plugin import launcher
+from pytest_elastic_timer.scope import client
+from pytest_elastic_timer.watchdog import file_timer, proctree
 
 GRACE = 0.5  # interrupt-to-terminate grace of every session here
 KILL_AFTER = 1.0  # SIGTERM-to-SIGKILL wait (the launcher's default)
@@ -161,7 +164,7 @@ def dog(tmp_path: Path) -> Iterator[Dog]:
 PROBE = """
 import json, os, sys, time
 import pytest_elastic_timer as et
-from pytest_elastic_timer import scopes
+from pytest_elastic_timer.scope import scopes
 
 state = scopes.process_state()
 print(json.dumps({"pid": os.getpid(), "attached": state.sock is not None}), flush=True)

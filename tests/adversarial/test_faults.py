@@ -26,7 +26,9 @@ import psutil
 import pytest
 from helpers import HEADER, LEAN, REPORT_NAME, run
 
-from pytest_elastic_timer import client, proctree, startup
+from pytest_elastic_timer.core import startup
+from pytest_elastic_timer.scope import client
+from pytest_elastic_timer.watchdog import proctree
 
 from .conftest import (
     GRACE,
@@ -526,7 +528,7 @@ def test_a_killed_owner_left_unreaped_counts_as_ended(dog: Dog) -> None:
 SURVIVOR = """
 import os, signal, sys, time
 import pytest_elastic_timer as et
-from pytest_elastic_timer import scopes
+from pytest_elastic_timer.scope import scopes
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 state = scopes.process_state()
 print(os.getpid(), state.sock is not None, flush=True)

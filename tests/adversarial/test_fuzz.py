@@ -35,9 +35,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pytest_elastic_timer import proctree, startup, sync_server, wire
-from pytest_elastic_timer import table as tbl
-from pytest_elastic_timer import watchdog as wd
+from pytest_elastic_timer.core import startup, wire
+from pytest_elastic_timer.core import table as tbl
+from pytest_elastic_timer.sync import server as sync_server
+from pytest_elastic_timer.watchdog import proctree
+from pytest_elastic_timer.watchdog import server as wd
 
 from .conftest import ON_TIME, Dog, Probe, Raw
 
@@ -491,7 +493,7 @@ def test_real_watchdog_survives_every_batch_and_its_report_counts_them(dog: Dog)
 # -- a process's own table ---------------------------------------------------------------
 VICTIM = """
 import os, sys, time
-from pytest_elastic_timer import scopes
+from pytest_elastic_timer.scope import scopes
 
 state = scopes.process_state()
 print(os.getpid(), state.table.path, flush=True)

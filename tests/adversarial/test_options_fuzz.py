@@ -15,7 +15,7 @@ from helpers import run
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from pytest_elastic_timer import plugin
+from pytest_elastic_timer.plugin import hooks as plugin
 
 NODEID = "test_m.py::test_m"
 WHERE = f"{NODEID}: @pytest.mark.expires"

@@ -24,8 +24,9 @@ from typing import Any
 import psutil
 import pytest
 
-from pytest_elastic_timer import proctree, startup, wire
-from pytest_elastic_timer import table as tbl
+from pytest_elastic_timer.core import startup, wire
+from pytest_elastic_timer.core import table as tbl
+from pytest_elastic_timer.watchdog import proctree
 
 from .conftest import (
     GRACE,
@@ -183,7 +184,7 @@ def test_hello_for_another_process_or_a_foreign_table_is_refused(dog: Dog, tmp_p
 STRANGER_CLIENT = """
 import json, os, socket, sys, time
 import pytest_elastic_timer as et
-from pytest_elastic_timer import scopes
+from pytest_elastic_timer.scope import scopes
 
 result = {"pid": os.getpid(), "attached": scopes.process_state().sock is not None}
 raw = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)

@@ -23,11 +23,11 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from . import startup
-from . import table as tbl
+from pytest_elastic_timer.core import startup
+from pytest_elastic_timer.core import table as tbl
 
 if TYPE_CHECKING:
-    from .watchdog import Owner, Watchdog
+    from pytest_elastic_timer.watchdog.server import Owner, Watchdog
 
 FIFO_NAME = "torch-timer.fifo"
 ENV_FILE = "TORCHELASTIC_TIMER_FILE"
@@ -119,8 +119,8 @@ class FileTimerIntake:
         return index
 
     def _owner(self, pid: int) -> Owner | None:
-        from . import proctree  # watchdog side: psutil is not loaded into pytest
-        from .watchdog import Owner
+        from pytest_elastic_timer.watchdog import proctree
+        from pytest_elastic_timer.watchdog.server import Owner
 
         owner = self.dog.foreign.get(pid)
         if owner is not None and proctree.alive([owner.proc]):

@@ -27,8 +27,10 @@ from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import Any
 
-from . import client, scopes, sync_server, wire
-from .scopes import ScopeExpired
+from pytest_elastic_timer.core import wire
+from pytest_elastic_timer.scope import client, scopes
+from pytest_elastic_timer.scope.scopes import ScopeExpired
+from pytest_elastic_timer.sync import server as sync_server
 
 STACK_FRAMES = 25
 _ANSWER_MARGIN = 10.0  # seconds past its budget that a call waits for the watchdog's word

@@ -146,7 +146,7 @@ def end_leaks(pids: set[int], kill_after: float = 1.0) -> list[dict[str, object]
     """
     import psutil
 
-    from . import proctree
+    from pytest_elastic_timer.watchdog import proctree
 
     procs: list[psutil.Process] = []
     for pid in sorted(pids):
@@ -171,7 +171,7 @@ def describe_running(pids: set[int]) -> list[dict[str, object]]:
     """A description of each of ``pids`` that still runs (left running)."""
     import psutil
 
-    from . import proctree
+    from pytest_elastic_timer.watchdog import proctree
 
     procs = []
     for pid in sorted(pids):

@@ -28,8 +28,8 @@ from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any
 
-from . import startup, wire
-from . import table as tbl
+from pytest_elastic_timer.core import startup, wire
+from pytest_elastic_timer.core import table as tbl
 
 ENV_ADDRESS = "PYTEST_ELASTIC_TIMER"
 ENV_SCALE = "PYTEST_ELASTIC_TIMER_SCALE"  # scale factor where no watchdog tells it

@@ -17,14 +17,14 @@ import time
 from types import FrameType
 from typing import Any, cast
 
-from .scopes import TimerRequest
+from pytest_elastic_timer.scope.scopes import TimerRequest
 
 # Frames of these files are skipped when looking for the line that entered a scope:
 # torch's expires() calls acquire() from a contextlib generator.
 _SKIP_PARTS = (
     os.sep + "contextlib.py",
     os.path.join("torch", "distributed", "elastic", "timer") + os.sep,
-    os.path.join("pytest_elastic_timer", "torch_compat.py"),
+    os.path.join("pytest_elastic_timer", "scope", "torch_compat.py"),
 )
 
 

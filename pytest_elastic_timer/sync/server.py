@@ -30,12 +30,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from . import records, wire
-from . import table as tbl
+from pytest_elastic_timer.core import records, wire
+from pytest_elastic_timer.core import table as tbl
 
 if TYPE_CHECKING:
-    from . import proctree
-    from .watchdog import Watchdog
+    from pytest_elastic_timer.watchdog import proctree
+    from pytest_elastic_timer.watchdog.server import Watchdog
 
 OP_BARRIER = "sync.barrier"
 OP_EVENT_SET = "sync.event.set"
@@ -619,6 +619,6 @@ def server_of(dog: Watchdog) -> SyncServer:
 
 def _process_id(pid: int) -> proctree.ProcessId | None:
     # Imported here: the module is loaded into every pytest process, psutil is not.
-    from . import proctree
+    from pytest_elastic_timer.watchdog import proctree
 
     return proctree.ProcessId.of(pid)

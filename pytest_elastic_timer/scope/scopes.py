@@ -28,8 +28,8 @@ from time import monotonic
 from types import FrameType, TracebackType
 from typing import Any
 
-from . import client
-from . import table as tbl
+from pytest_elastic_timer.core import table as tbl
+from pytest_elastic_timer.scope import client
 
 _PACK_SLOT = tbl.SLOT.pack_into
 _PACK_PHASE_SLOT = tbl.PHASE_SLOT.pack_into
@@ -627,7 +627,8 @@ def _close_abandoned(stack: _Stack, scope: TimerRequest) -> None:
     del stack[index:]
 
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+# Every file of the package, whichever subpackage it lies in, ends with this prefix.
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def _user_stacklevel() -> int:
@@ -635,7 +636,7 @@ def _user_stacklevel() -> int:
     package (the user's ``with`` or ``release()`` line, wherever we were called)."""
     frame: FrameType | None = sys._getframe(1)
     level = 1
-    while frame is not None and os.path.dirname(frame.f_code.co_filename) == _PACKAGE_DIR:
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
         frame, level = frame.f_back, level + 1
     return level
 

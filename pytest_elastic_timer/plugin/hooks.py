@@ -19,19 +19,13 @@ from typing import Any
 import pytest
 from _pytest._code.code import ExceptionChainRepr, ReprEntryNative, ReprExceptionInfo
 
-from . import (
-    ci_reports,
-    client,
-    file_timer,
-    launcher,
-    leaks,
-    records,
-    scopes,
-    startup,
-    xdist_support,
-)
-from . import table as tbl
-from .scopes import ScopeExpired, TimerRequest
+from pytest_elastic_timer.ci import reports as ci_reports
+from pytest_elastic_timer.core import records, startup
+from pytest_elastic_timer.core import table as tbl
+from pytest_elastic_timer.plugin import launcher, leaks, xdist_support
+from pytest_elastic_timer.scope import client, scopes
+from pytest_elastic_timer.scope.scopes import ScopeExpired, TimerRequest
+from pytest_elastic_timer.watchdog import file_timer
 
 HELP = {
     "expires": "default call-phase budget in seconds for tests without an expires "

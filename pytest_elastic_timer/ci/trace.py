@@ -14,7 +14,7 @@ records into one trace:
 
 Timestamps are microseconds of ``time.monotonic()`` counted from the first scope.
 Open the file in https://ui.perfetto.dev or ``chrome://tracing``; or render a small
-HTML page with ``python -m pytest_elastic_timer.trace TRACE --html OUT``.
+HTML page with ``python -m pytest_elastic_timer.ci.trace TRACE --html OUT``.
 Nothing here imports pytest.
 """
 
@@ -29,7 +29,7 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
-from .records import ExpiryRecord
+from pytest_elastic_timer.core.records import ExpiryRecord
 
 TRACE_VERSION = 1
 TRACE_GLOB = "trace-*"
@@ -370,7 +370,7 @@ def _tick_step(total: float) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pytest_elastic_timer.trace")
+    parser = argparse.ArgumentParser(prog="python -m pytest_elastic_timer.ci.trace")
     parser.add_argument("trace", help="a trace written by --elastic-timer-trace")
     parser.add_argument("--html", required=True, help="write an HTML timeline here")
     args = parser.parse_args(argv)

@@ -37,10 +37,14 @@ from typing import Any
 
 import pytest
 
-from . import junit_fallback, plugin, records, scopes, trace, xdist_support
-from .junit_fallback import FAILURE_TYPE, PROPERTY_PREFIX
-from .records import ExpiryRecord
-from .scopes import ScopeExpired
+from pytest_elastic_timer.ci import junit_fallback, trace
+from pytest_elastic_timer.ci.junit_fallback import FAILURE_TYPE, PROPERTY_PREFIX
+from pytest_elastic_timer.core import records
+from pytest_elastic_timer.core.records import ExpiryRecord
+from pytest_elastic_timer.plugin import hooks as plugin
+from pytest_elastic_timer.plugin import xdist_support
+from pytest_elastic_timer.scope import scopes
+from pytest_elastic_timer.scope.scopes import ScopeExpired
 
 HELP = {
     "slow": "list a test phase as SLOW in the terminal summary once it used this fraction "
@@ -69,7 +73,7 @@ def add_options(group: Any, parser: pytest.Parser) -> None:
 
 def report_schema() -> dict[str, Any]:
     """The JSON Schema of the JSON report (``--elastic-timer-report``)."""
-    text = resources.files(__package__).joinpath(SCHEMA).read_text(encoding="utf-8")
+    text = resources.files("pytest_elastic_timer.core").joinpath(SCHEMA).read_text(encoding="utf-8")
     schema: dict[str, Any] = json.loads(text)
     return schema
 

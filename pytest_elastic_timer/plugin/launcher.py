@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from . import client
+from pytest_elastic_timer.scope import client
 
 STOP_TIMEOUT = 15.0
 
@@ -114,7 +114,8 @@ def start(
     sweep_stale(_session_root_dir())
     directory = tempfile.mkdtemp(prefix="pytest-elastic-timer-", dir=_session_root_dir())
     os.chmod(directory, 0o700)
-    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # The folder that holds the package: pytest_elastic_timer/plugin/launcher.py, two up.
+    package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ)
     env.pop(client.ENV_ADDRESS, None)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH", "")) if p)

@@ -21,7 +21,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Iterable
 from typing import Any
 
-from .records import ExpiryRecord, format_record
+from pytest_elastic_timer.core.records import ExpiryRecord, format_record
 
 FAILURE_TYPE = "pytest_elastic_timer.ScopeExpired"
 SESSION_ERROR_TYPE = "pytest_elastic_timer.SessionEnded"

@@ -38,8 +38,11 @@ from typing import Any
 
 import psutil
 
-from . import file_timer, junit_fallback, proctree, records, startup, sync_server, wire
-from . import table as tbl
+from pytest_elastic_timer.ci import junit_fallback
+from pytest_elastic_timer.core import records, startup, wire
+from pytest_elastic_timer.core import table as tbl
+from pytest_elastic_timer.sync import server as sync_server
+from pytest_elastic_timer.watchdog import file_timer, proctree
 
 SOCKET_NAME = "watchdog.sock"
 RECORDS_NAME = "records.jsonl"
@@ -815,7 +818,3 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.flush()
     dog.serve()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

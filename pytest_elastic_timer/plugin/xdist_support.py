@@ -22,7 +22,8 @@ import pytest
 from _pytest._code.code import ReprFileLocation, TerminalRepr
 from _pytest._io import TerminalWriter
 
-from . import client, records, scopes
+from pytest_elastic_timer.core import records
+from pytest_elastic_timer.scope import client, scopes
 
 ADDRESS_KEY = "elastic_timer_address"
 SCOPE_PROPERTY = "elastic_timer_scope"
@@ -78,7 +79,7 @@ def wait_for_record(
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_handlecrashitem(crashitem: str, report: pytest.TestReport, sched: Any) -> None:
-    from .plugin import SESSION
+    from pytest_elastic_timer.plugin.hooks import SESSION
 
     config: pytest.Config = sched.config
     state = config.stash.get(SESSION, None)
