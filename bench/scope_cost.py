@@ -506,6 +506,13 @@ def render(result: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
     torch_local = v.get("torch_local", {}).get("us")
     checks = [
         {
+            "target": "Scope enter+exit ≤ 4x an empty context manager timed beside it",
+            "measured": f"{ours / floor:.1f}x ({ours:.2f} vs {floor:.2f} µs)"
+            if ours and floor
+            else "n/a",
+            "ok": (ours / floor <= 4.0) if ours and floor else None,
+        },
+        {
             "target": "Scope enter+exit, watchdog attached: ≤ 2 µs median",
             "measured": f"{ours:.2f} µs" if ours else "n/a",
             "ok": (ours <= 2.0 and bool(v["ours"]["info"].get("attached"))) if ours else None,

@@ -1,0 +1,158 @@
+"""Benchmark 6: what the plugin adds to the start and end of a session.
+
+A one-test session (the loop of a developer who reruns one test) is timed as a whole
+command, wall clock, in two configurations run interleaved: plain pytest and pytest with
+this plugin. Both have ``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1`` and load pytest-xdist with
+``-p xdist`` (xdist is a dependency of the plugin, so its import is not the plugin's
+cost); the second also loads ``-p elastic_timer``. The pairs alternate, so drift of the
+machine hits both alike; the result is the median of each configuration and their ratio.
+
+A second pair does the same for an inner session started in-process by ``pytester``
+(the case of another plugin's own test suite, which runs many such sessions): the time
+of ``pytester.runpytest`` of a one-test file, measured inside one outer test, with the
+plugin loaded in the inner session or not.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common
+
+TEST = "def test_one():\n    assert True\n"
+
+INNER = """
+import time
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+
+@pytest.mark.parametrize("plugin", ["plain", "elastic_timer"] * __ROUNDS__)
+def test_inner_session(pytester, plugin, record_property):
+    pytester.makepyfile(test_one="def test_one():\\n    assert True\\n")
+    args = ["-p", "xdist", "-q", "-p", "no:cacheprovider"]
+    if plugin == "elastic_timer":
+        args += ["-p", "elastic_timer"]
+    start = time.perf_counter()
+    result = pytester.runpytest_inprocess(*args)
+    elapsed = time.perf_counter() - start
+    assert result.ret == 0
+    with open(__OUT__, "a", encoding="utf-8") as f:
+        f.write(f"{plugin} {elapsed}\\n")
+"""
+
+
+def _session_argv(directory: str, plugin: bool) -> list[str]:
+    argv = [common.PYTHON, "-m", "pytest", "-q", "-p", "xdist", "-p", "no:cacheprovider"]
+    if plugin:
+        argv += ["-p", "elastic_timer"]
+    return [*argv, os.path.join(directory, "test_one.py")]
+
+
+def _time(argv: list[str], env: dict[str, str], cwd: str) -> float:
+    start = time.perf_counter()
+    done = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True)
+    elapsed = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(f"{argv} exited {done.returncode}: {done.stdout[-500:]}")
+    return elapsed
+
+
+def whole_sessions(rounds: int) -> dict[str, Any]:
+    env = common.clean_env(PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
+    times: dict[str, list[float]] = {"plain": [], "plugin": []}
+    with tempfile.TemporaryDirectory() as directory:
+        with open(os.path.join(directory, "test_one.py"), "w", encoding="utf-8") as f:
+            f.write(TEST)
+        for argv in (_session_argv(directory, False), _session_argv(directory, True)):
+            _time(argv, env, directory)  # warm the file cache and the bytecode
+        for _ in range(rounds):
+            times["plain"].append(_time(_session_argv(directory, False), env, directory))
+            times["plugin"].append(_time(_session_argv(directory, True), env, directory))
+    return _summary(times)
+
+
+def inner_sessions(rounds: int) -> dict[str, Any]:
+    env = common.clean_env(PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
+    with tempfile.TemporaryDirectory() as directory:
+        out = os.path.join(directory, "times.txt")
+        source = INNER.replace("__ROUNDS__", str(rounds)).replace("__OUT__", repr(out))
+        with open(os.path.join(directory, "test_inner.py"), "w", encoding="utf-8") as f:
+            f.write(source)
+        argv = [common.PYTHON, "-m", "pytest", "-q", "-p", "pytester", "-p", "xdist"]
+        argv += ["-p", "no:cacheprovider", "test_inner.py"]
+        _time(argv, env, directory)
+        times: dict[str, list[float]] = {"plain": [], "plugin": []}
+        with open(out, encoding="utf-8") as f:
+            for line in f:
+                name, seconds = line.split()
+                times["plugin" if name == "elastic_timer" else "plain"].append(float(seconds))
+    return _summary(times)
+
+
+def _summary(times: dict[str, list[float]]) -> dict[str, Any]:
+    plain, plugin = common.median(times["plain"]), common.median(times["plugin"])
+    return {
+        "runs": len(times["plain"]),
+        "plain_ms": plain * 1e3,
+        "plugin_ms": plugin * 1e3,
+        "ratio": plugin / plain,
+        "plain_all_ms": [t * 1e3 for t in times["plain"]],
+        "plugin_all_ms": [t * 1e3 for t in times["plugin"]],
+    }
+
+
+def measure(quick: bool) -> dict[str, Any]:
+    rounds = 6 if quick else 12
+    result: dict[str, Any] = {}
+    for name, run in (("session", whole_sessions), ("inner", inner_sessions)):
+        try:
+            result[name] = run(rounds)
+        except (RuntimeError, OSError) as exc:
+            result[name] = {"error": str(exc)[:500]}
+    return result
+
+
+def render(result: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
+    lines = [
+        "| One-test session, wall clock | runs | plain ms | with the plugin ms | ratio |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for key, what in (
+        ("session", "`python -m pytest` of one passing test (median of interleaved runs)"),
+        ("inner", "an in-process `pytester` session of one passing test"),
+    ):
+        r = result.get(key, {})
+        if "error" in r:
+            lines.append(f"| {what} | error: {r['error'][:200]} | | | |")
+        elif r:
+            lines.append(
+                f"| {what} | {r['runs']} | {r['plain_ms']:.0f} | {r['plugin_ms']:.0f} "
+                f"| {r['ratio']:.2f}x |"
+            )
+    session = result.get("session", {})
+    ratio = session.get("ratio")
+    checks = [
+        {
+            "target": "One-test session with the plugin ≤ 1.10x plain pytest (wall clock)",
+            "measured": f"{common.fmt(ratio)}x "
+            f"({common.fmt(session.get('plugin_ms'), 0)} vs "
+            f"{common.fmt(session.get('plain_ms'), 0)} ms)",
+            "ok": None if ratio is None else ratio <= 1.10,
+        }
+    ]
+    return "\n".join(lines), checks
+
+
+if __name__ == "__main__":
+    args = common.script_args(__doc__ or "")
+    common.emit(measure(args.quick), args.json_out)
