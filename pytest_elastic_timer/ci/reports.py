@@ -649,8 +649,9 @@ def session_end(config: pytest.Config) -> dict[str, Any]:
     events: list[dict[str, Any]] = []
     path = state.trace
     if path:
-        if scopes._state is not None:
-            scopes._state.flush_trace()  # scopes that ended after the plugin's flush
+        process = scopes.current_state()
+        if process is not None:
+            process.flush_trace()  # scopes that ended after the plugin's flush
         events = trace.read_events(session.watchdog.directory)
         facts = {
             "pid": os.getpid(),

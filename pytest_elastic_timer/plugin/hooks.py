@@ -21,7 +21,6 @@ from _pytest._code.code import ExceptionChainRepr, ReprEntryNative, ReprExceptio
 
 from pytest_elastic_timer.ci import reports as ci_reports
 from pytest_elastic_timer.core import records, startup
-from pytest_elastic_timer.core import table as tbl
 from pytest_elastic_timer.plugin import launcher, leaks, xdist_support
 from pytest_elastic_timer.scope import client, scopes
 from pytest_elastic_timer.scope.scopes import ScopeExpired, TimerRequest
@@ -101,7 +100,6 @@ class SessionState:
 SESSION = pytest.StashKey[SessionState]()
 # The same state by config, for the hooks every test pays (see SessionState.budgets).
 _states: dict[pytest.Config, SessionState] = {}
-_H_PHASE_SID = tbl.H_PHASE_SID
 
 
 # -- options -------------------------------------------------------------------------
@@ -296,8 +294,7 @@ def _uses_xdist(config: pytest.Config) -> bool:
 
 def _end_session(state: SessionState, exc: ScopeExpired) -> BaseException:
     """A session over its budget stops where it is, with the scope line as reason."""
-    table = scopes.process_state().table
-    phase = table.string(int(table.words[tbl.H_PHASE_SID]))
+    phase = scopes.process_state().phase()
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     where = ", ".join(x for x in (f"phase {phase}" if phase else "", worker) if x)
     reason = f"{exc.line()} ({where})" if where else exc.line()
@@ -441,9 +438,6 @@ def _parse_marker(nodeid: str, args: tuple[Any, ...], kwargs: Mapping[str, Any])
     return Budgets(keyword("setup"), seconds or None, keyword("teardown"), keyword("grace"))
 
 
-_CALL_FLAGS = tbl.FLAG_TEST_PHASE | tbl.PHASE_FLAGS["call"]
-
-
 # -- running: one scope per phase ----------------------------------------------------
 # Every hook implementation here is paid by every test (a wrapper costs about twice a
 # plain one), so the common case takes three: a plain hook for setup, a wrapper for the
@@ -470,12 +464,8 @@ class RunningTest:
         nodeid = self.nodeid = item.nodeid
         name = self.name = item.name
         self.state = state
-        # scopes.process_state() and scopes.thread_stack(), inline for the common case.
-        process = self.process = scopes._state or scopes.process_state()
-        try:
-            stack = self.stack = scopes._tls.stack
-        except AttributeError:
-            stack = self.stack = scopes.thread_stack()
+        process = self.process = scopes.process_state()
+        stack = self.stack = scopes.thread_stack()
         self.depth = len(stack)  # scopes above this depth are the test's own
         self.outer_prefix = stack.prefix
         self.outer_sid = process.nodeid_sid
@@ -497,9 +487,7 @@ class RunningTest:
             self.tracing = True
             self.started = time.monotonic()
         self.when = "setup"
-        words = self.words = process.table.words
-        self.sids = process.sids
-        words[_H_PHASE_SID] = self.sids.get("setup") or process.sid("setup")
+        process.set_phase("setup")
         if named:
             stack.prefix = f"{name}::setup"
 
@@ -512,11 +500,9 @@ _running: list[RunningTest] = []
 def _phase_scope(
     item: pytest.Item, when: str, budget: float | None, grace: float | None
 ) -> TimerRequest:
-    scope = TimerRequest(budget, f"{item.name}::{when}", grace=grace)
-    scope.flags = tbl.FLAG_TEST_PHASE | tbl.PHASE_FLAGS[when]
-    if budget is not None:  # a scope without a deadline is never reported: no place needed
-        scope.at = _definition(item)
-    return scope
+    # A scope without a deadline is never reported: no place needed.
+    at = _definition(item) if budget is not None else None
+    return scopes.phase_scope(item.name, when, budget, grace, at)
 
 
 def _definition(item: pytest.Item) -> tuple[str, int]:
@@ -595,7 +581,7 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
     if running.tracing:
         _trace_phase(running)
     running.when = "call"
-    running.words[_H_PHASE_SID] = running.sids.get("call") or running.process.sid("call")
+    running.process.set_phase("call")
     stack = running.stack
     if len(stack) > running.depth:
         scopes.close_above(stack, running.depth, stack.prefix)
@@ -610,11 +596,7 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
     stack.prefix = running.outer_prefix  # the call's scope names the phase
     try:
         scope = running.call_scope = scopes.enter_test_phase(
-            after,
-            budgets.grace,
-            running.definition,
-            _CALL_FLAGS,
-            f"{running.name}::call",
+            scopes.phase_scope(running.name, "call", after, budgets.grace, running.definition),
             stack,
         )
         try:
@@ -654,9 +636,7 @@ def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
         if running.tracing:
             _trace_phase(running)
         running.when = "teardown"
-        running.words[_H_PHASE_SID] = running.sids.get("teardown") or running.process.sid(
-            "teardown"
-        )
+        running.process.set_phase("teardown")
         stack = running.stack
         if len(stack) > running.depth:
             scopes.close_above(stack, running.depth, stack.prefix)
@@ -962,8 +942,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     state.budgets.clear()
     if state.expiry_listener in scopes.expiry_listeners:
         scopes.expiry_listeners.remove(state.expiry_listener)
-    if scopes._state is not None:
-        scopes._state.flush_trace()
+    process = scopes.current_state()
+    if process is not None:
+        process.flush_trace()
     if state.session_scope is not None and state.session_scope.active:
         try:
             state.session_scope.release()

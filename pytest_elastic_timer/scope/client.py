@@ -37,7 +37,9 @@ ENV_SCALE = "PYTEST_ELASTIC_TIMER_SCALE"  # scale factor where no watchdog tells
 SignalHandler = Callable[[int, FrameType | None], Any]
 
 
-def _label_from_env() -> str:
+def label_from_env() -> str:
+    """The label the environment gives this process (``rank N`` from ``RANK`` or
+    ``LOCAL_RANK``), "" without one."""
     for name in ("RANK", "LOCAL_RANK"):
         value = os.environ.get(name)
         if value is not None and value.strip().lstrip("-").isdigit():
@@ -74,7 +76,7 @@ class ProcessState:
         self.address = os.environ.get(ENV_ADDRESS) or None
         self.sock: socket.socket | None = None
         self.sentinel: Sentinel | None = None
-        self.scale = _float_env(ENV_SCALE, 1.0)
+        self.scale = scale_from_env()
         self.grace = 2.0
         self.watchdog_pid = 0
         # Free slots. A deque: a list that a loop's one scope empties and fills again
@@ -105,7 +107,7 @@ class ProcessState:
         self.table.words[tbl.H_INTERRUPT_SIG] = self.interrupt_sig
         self.table.words[tbl.H_DUMP_SIG] = self.dump_sig
         self.table.words[tbl.H_MAIN_TID] = threading.main_thread().ident or 0
-        self.set_label(_label_from_env())
+        self.set_label(label_from_env())
         self.table.words[tbl.H_WORKER_SID] = self.sid(os.environ.get("PYTEST_XDIST_WORKER", ""))
 
     # -- set-up ---------------------------------------------------------------------
@@ -268,7 +270,14 @@ class ProcessState:
         self.table.words[tbl.H_LABEL_SID] = self.sid(label)
 
     def set_phase(self, phase: str) -> None:
-        self.table.words[tbl.H_PHASE_SID] = self.sid(phase)
+        """What this process's pytest does from now on (``collection``, ``setup``,
+        ``call``, ...): the watchdog's records name it."""
+        # sid() inline for a string seen before: every test switches phases three times.
+        self.table.words[tbl.H_PHASE_SID] = self.sids.get(phase) or self.sid(phase)
+
+    def phase(self) -> str:
+        """The phase :meth:`set_phase` set last ("" before that)."""
+        return self.table.string(int(self.table.words[tbl.H_PHASE_SID]))
 
     def set_nodeid(self, nodeid: str) -> None:
         self.nodeid = nodeid
@@ -285,8 +294,7 @@ class ProcessState:
         written it."""
         self.nodeid = nodeid
         self.nodeid_sid = sid
-        # sid() inline for a string seen before: this runs after every test.
-        self.table.words[tbl.H_PHASE_SID] = self.sids.get(phase) or self.sid(phase)
+        self.set_phase(phase)
 
     # -- trace --------------------------------------------------------------------
     def traced(self, path: str, start: float, thread_id: int, expired: bool) -> None:
@@ -441,8 +449,10 @@ class Sentinel:
             os.kill(os.getpid(), self.state.interrupt_sig)
 
 
-def _float_env(name: str, default: float) -> float:
+def scale_from_env() -> float:
+    """The session's scale factor as the environment gives it (``ENV_SCALE``), for a
+    process that has no word from the watchdog; 1.0 without one."""
     try:
-        return float(os.environ.get(name, default))
+        return float(os.environ.get(ENV_SCALE, 1.0))
     except ValueError:
-        return default
+        return 1.0

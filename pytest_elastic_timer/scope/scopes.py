@@ -121,9 +121,14 @@ class _AsyncScopeExpired(ScopeExpired):
         )
 
 
-class _Stack(list["TimerRequest"]):
-    """The open scopes of one thread, outermost first; ``prefix`` names the test phase
-    the thread is in when that phase has no budget (and so no scope of its own)."""
+class ScopeStack(list["TimerRequest"]):
+    """The open scopes of one thread, outermost first (:func:`thread_stack`).
+
+    ``tid`` is the thread's ident. ``prefix`` is the path that scopes entered at the
+    bottom of the stack are named below: the plugin sets it to the test phase the
+    thread is in (``test_x::call``) when that phase has no budget, and so no scope of
+    its own to name it.
+    """
 
     __slots__ = ("prefix", "tid")
 
@@ -134,15 +139,15 @@ class _Stack(list["TimerRequest"]):
 
 
 _tls = threading.local()
-_stacks: dict[int, _Stack] = {}
+_stacks: dict[int, ScopeStack] = {}
 _detached: dict[int, TimerRequest] = {}  # open scopes outside every stack, by id()
 _state: client.ProcessState | None = None
 _state_lock = threading.Lock()
 
 
-def _thread_stack() -> _Stack:
+def _thread_stack() -> ScopeStack:
     tid = threading.get_ident()
-    stack = _tls.stack = _Stack(tid)
+    stack = _tls.stack = ScopeStack(tid)
     if len(_stacks) > 256:  # forget threads that are gone
         alive = sys._current_frames().keys()
         for dead in [t for t in _stacks if t not in alive]:
@@ -151,10 +156,10 @@ def _thread_stack() -> _Stack:
     return stack
 
 
-def thread_stack() -> _Stack:
+def thread_stack() -> ScopeStack:
     """The calling thread's stack of open scopes."""
     try:
-        stack: _Stack = _tls.stack
+        stack: ScopeStack = _tls.stack
     except AttributeError:
         stack = _thread_stack()
     return stack
@@ -163,10 +168,18 @@ def thread_stack() -> _Stack:
 def process_state() -> client.ProcessState:
     """This process's state, set up (and connected to the watchdog) on first use."""
     global _state
-    if _state is None:
+    state = _state
+    if state is None:
         with _state_lock:
             if _state is None:
                 _state = client.ProcessState(_on_interrupt)
+            state = _state
+    return state
+
+
+def current_state() -> client.ProcessState | None:
+    """This process's state if a scope (or :func:`process_state`) set it up already;
+    None otherwise, and nothing is set up or connected."""
     return _state
 
 
@@ -236,7 +249,7 @@ class TimerRequest:
     _slot = -1
     _serial = 0
     _state: client.ProcessState | None = None
-    _stack: _Stack | None = None
+    _stack: ScopeStack | None = None
     _delivered = False
     _cancelled = False
     _abandoned = False  # closed because its enclosing scope ended first
@@ -274,7 +287,7 @@ class TimerRequest:
             raise RuntimeError(f"scope {self.path!r} is already active")
         state = _state or process_state()
         try:
-            stack: _Stack = _tls.stack
+            stack: ScopeStack = _tls.stack
         except AttributeError:
             stack = _thread_stack()
         frame = sys._getframe(1)
@@ -505,45 +518,44 @@ class TimerRequest:
         return f"<TimerRequest {self.path or self.scope!r} after={self.after}>"
 
 
-class _PhaseScope(TimerRequest):
-    """A test phase's scope, made by :func:`enter_test_phase` without TimerRequest's
-    ``__init__``: the plugin checked its budget when the test was collected."""
-
-    # object's own __init__, so that the type's init slot is C's no-op: calling the
-    # class then costs some 900 instructions, ``_PhaseScope.__new__(_PhaseScope)`` 1,500.
-    __init__ = object.__init__
-    scope = None
-
-
-def enter_test_phase(
-    after: float,
-    grace: float | None,
-    at: tuple[str, int],
-    flags: int,
-    name: str,
-    stack: _Stack,
+def phase_scope(
+    test: str,
+    when: str,
+    after: float | None,
+    grace: float | None = None,
+    at: tuple[str, int] | None = None,
 ) -> TimerRequest:
-    """Make and enter the scope of a test phase (``flags`` with ``FLAG_TEST_PHASE``)
-    that must end within ``after`` seconds, named ``name``, reported at ``at``, on
-    ``stack``, the calling thread's (:func:`thread_stack`); the scope is returned.
+    """The scope of the phase ``when`` (``setup``, ``call`` or ``teardown``) of the test
+    named ``test``, not entered yet: named ``test::when``, it must end within ``after``
+    seconds (None: it only names the phase) and is reported at ``at`` (the test's
+    definition). Enter it as a context manager, or with :func:`enter_test_phase`."""
+    scope = TimerRequest(after, f"{test}::{when}", grace=grace)
+    scope.flags = tbl.FLAG_TEST_PHASE | tbl.PHASE_FLAGS[when]
+    scope.at = at
+    return scope
 
-    The plugin's hot path for every test: no call site to look up and no string to
-    write, because the watchdog names such a slot after the test entry of the table
+
+def enter_test_phase(scope: TimerRequest, stack: ScopeStack) -> TimerRequest:
+    """Enter ``scope``, a :func:`phase_scope` with a budget and a place, on ``stack``,
+    the calling thread's (:func:`thread_stack`); returns ``scope``.
+
+    The plugin's path for every test: no call site to look up and no string to write,
+    because the watchdog names such a slot after the test entry of the table
     (``ProcessState.set_test``). Leave it with :func:`leave_test_phase`.
     """
-    scope: TimerRequest = _PhaseScope()
-    # What the hot path reads, stored as __init__ stores it (see TimerRequest's
-    # defaults); the scope is new, so it cannot be active already.
-    scope.after = after
-    scope.grace = grace
-    scope.at = at
-    scope.flags = flags
-    scope._delivered = scope._cancelled = False
+    after = scope.after
+    if after is None or scope.at is None or not scope.flags & tbl.FLAG_TEST_PHASE:
+        raise ValueError(f"{scope!r} is not a phase scope with a budget and a place")
+    if scope._state is not None:
+        raise RuntimeError(f"scope {scope.path!r} is already active")
     state = _state or process_state()
+    name = scope.scope or ""
     parent = stack[-1].path if stack else stack.prefix
     scope.path = f"{parent}/{name}" if parent else name
     scope._state = state
     scope._stack = stack
+    grace = scope.grace
+    flags = scope.flags
     now = scope._start = monotonic()
     deadline = scope._deadline = now + after * state.scale
     free = state.free
@@ -607,7 +619,7 @@ expires = TimerRequest
 
 def current_scope() -> TimerRequest | None:
     """The innermost open scope of the calling thread, if any."""
-    stack: _Stack | None = getattr(_tls, "stack", None)
+    stack: ScopeStack | None = getattr(_tls, "stack", None)
     return stack[-1] if stack else None
 
 
@@ -618,7 +630,7 @@ def set_label(label: str) -> None:
     process_state().set_label(label)
 
 
-def _close_abandoned(stack: _Stack, scope: TimerRequest) -> None:
+def _close_abandoned(stack: ScopeStack, scope: TimerRequest) -> None:
     """``scope`` ends while scopes it encloses are still open (acquired and never
     released): they end with it, as in Trio, so that no forgotten scope outlives its
     enclosing one (a test's phase) and expires in somebody else's code."""
@@ -641,7 +653,7 @@ def _user_stacklevel() -> int:
     return level
 
 
-def close_above(stack: _Stack, depth: int, ending: str) -> None:
+def close_above(stack: ScopeStack, depth: int, ending: str) -> None:
     """Close the scopes of ``stack`` from ``depth`` up, which ``ending`` outlived."""
     abandoned = stack[depth:]
     del stack[depth:]

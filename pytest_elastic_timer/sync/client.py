@@ -287,11 +287,11 @@ class _Call:
 
 def _caller(frame: FrameType | None, label: str | None) -> dict[str, Any]:
     """Who calls and from where: the fields every request carries."""
-    state = scopes._state
+    state = scopes.current_state()
     if state is None and threading.current_thread() is threading.main_thread():
         state = scopes.process_state()  # registers this process and its label
     if label is None:
-        label = state.label if state is not None else client._label_from_env()
+        label = state.label if state is not None else client.label_from_env()
     nodeid = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
     site = f"{frame.f_code.co_filename}:{frame.f_lineno}" if frame is not None else ""
     stack = "".join(traceback.format_stack(frame, limit=STACK_FRAMES)) if frame else ""
@@ -306,7 +306,7 @@ def _caller(frame: FrameType | None, label: str | None) -> dict[str, Any]:
 
 def _traced(scope: str, start: float, expired: bool) -> None:
     """The wait as a span of the trace timeline (``--elastic-timer-trace``)."""
-    state = scopes._state
+    state = scopes.current_state()
     if state is not None and state.trace is not None and state.pid == os.getpid():
         state.traced(scope, start, threading.get_ident(), expired)
 
@@ -336,8 +336,8 @@ def _check_label(label: object) -> str | None:
 
 def _wait_for(budget: float) -> float:
     # The watchdog applies the scale factor; the wait for its answer allows for it.
-    state = scopes._state
-    scale = state.scale if state is not None else client._float_env(client.ENV_SCALE, 1.0)
+    state = scopes.current_state()
+    scale = state.scale if state is not None else client.scale_from_env()
     return budget * max(scale, 1.0) + _ANSWER_MARGIN
 
 
