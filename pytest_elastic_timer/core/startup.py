@@ -16,8 +16,10 @@ without the handler is never hit by a signal whose default action would end it.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
+import sys
 
 ENV_DUMP_SIGNAL = "PYTEST_ELASTIC_TIMER_DUMP_SIGNAL"
 DIRECTORY = "startup"
@@ -55,25 +57,39 @@ def _pytest_elastic_timer_startup():
                 return  # a nested session's copy of this file ran first: it wins
             if signal.getsignal(num) not in (signal.SIG_DFL, None):
                 return  # never replace a handler someone else installed
+            path = os.path.join(os.path.dirname(here), "dump-%d" % os.getpid())
+            # A bare descriptor, not a file object: no text encoding to name, and
+            # nothing for the interpreter to warn about at exit.
             try:
-                out = open(os.path.join(here, "..", "dump-%d" % os.getpid()), "a")
-                faulthandler.register(num, file=out, all_threads=True, chain=False)
-            except (OSError, ValueError, RuntimeError):
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            except OSError:
                 return
-            sys._pytest_elastic_timer_dump = (num, out, os.getpid())
+            try:
+                faulthandler.register(num, file=fd, all_threads=True, chain=False)
+            except (OSError, ValueError, RuntimeError):
+                os.close(fd)
+                return
+            if done is not None:  # the parent's descriptor, inherited through fork
+                try:
+                    os.close(done[1])
+                except OSError:
+                    pass
+            sys._pytest_elastic_timer_dump = (num, fd, os.getpid(), path)
 
         register()
         os.register_at_fork(after_in_child=register)
-    # Let the sitecustomize this file shadows run as it would have.
+    # Let the sitecustomize this file shadows run as it would have: take only this
+    # directory off sys.path (it is not there without the plugin), so whatever that
+    # file adds to sys.path or the import system stays.
     me = sys.modules.pop("sitecustomize", None)
-    saved = list(sys.path)
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    sys.path_importer_cache.pop(here, None)
     try:
         import sitecustomize  # noqa: F401
-    except ImportError:
-        pass
+    except ImportError as exc:
+        if exc.name != "sitecustomize":
+            raise  # as site.py does: an import error inside that file is shown
     finally:
-        sys.path[:] = saved
         if me is not None:
             sys.modules.setdefault("sitecustomize", me)
 
@@ -81,6 +97,61 @@ def _pytest_elastic_timer_startup():
 _pytest_elastic_timer_startup()
 del _pytest_elastic_timer_startup
 """
+
+
+class DumpRegistration:
+    """One registration of :mod:`faulthandler` on a dump signal, into a file of ours."""
+
+    def __init__(self, signum: int, fd: int, path: str) -> None:
+        self.signum = signum
+        self.fd = fd
+        self.path = path
+
+
+# The registrations in force, oldest first: the start-up one (from the sitecustomize)
+# and one per session connected in this process (a pytest run inside a test of another).
+_dumps: list[DumpRegistration] = []
+
+
+def preset_dump() -> tuple[int, str] | None:
+    """(signal, file) of the stack dump the sitecustomize registered in this process."""
+    done = getattr(sys, "_pytest_elastic_timer_dump", None)
+    if done is None or len(done) != 4 or done[2] != os.getpid():
+        return None
+    return int(done[0]), str(done[3])
+
+
+def register_dump(signum: int, path: str) -> DumpRegistration:
+    """Dump every thread's stack into ``path`` on ``signum``, until :func:`unregister_dump`."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        faulthandler.register(signum, file=fd, all_threads=True, chain=False)
+    except BaseException:
+        os.close(fd)
+        raise
+    registration = DumpRegistration(signum, fd, path)
+    _dumps.append(registration)
+    return registration
+
+
+def unregister_dump(registration: DumpRegistration) -> None:
+    """Undo :func:`register_dump`: the registration that was in force before it is again
+    (the start-up one, an outer session's), or none; its file is closed."""
+    if registration not in _dumps:
+        return
+    index = _dumps.index(registration)
+    del _dumps[index]
+    signum = registration.signum
+    if not any(d.signum == signum for d in _dumps[index:]):  # it was the one in force
+        earlier = [d.fd for d in _dumps[:index] if d.signum == signum]
+        if not earlier and preset_dump() is not None:
+            num, fd = sys._pytest_elastic_timer_dump[:2]  # type: ignore[attr-defined]
+            earlier = [int(fd)] if num == signum else []
+        if earlier:
+            faulthandler.register(signum, file=earlier[-1], all_threads=True, chain=False)
+        else:
+            faulthandler.unregister(signum)
+    os.close(registration.fd)
 
 
 def install(session_dir: str) -> str:

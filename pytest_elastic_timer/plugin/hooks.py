@@ -12,7 +12,7 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,6 +95,9 @@ class SessionState:
     files: dict[str, str] = field(default_factory=dict)
     leaks: bool = False  # whether tests' leftover processes are looked for
     started: float = field(default_factory=time.time)
+    # What leaves the process as the session found it (a pytest run inside a test).
+    put_back_scopes: Callable[[], None] = field(default=lambda: None)
+    leave_leaks: Callable[[], None] = field(default=lambda: None)
 
 
 SESSION = pytest.StashKey[SessionState]()
@@ -204,10 +207,10 @@ def pytest_configure(config: pytest.Config) -> None:
     scopes.expiry_listeners.append(state.expiry_listener)
     if config.pluginmanager.hasplugin("xdist"):
         config.pluginmanager.register(xdist_support, "elastic_timer_xdist")
-    if settings.leaks != "off":
-        leaks.become_subreaper()
+    state.leave_leaks = leaks.enter_session(adopt=settings.leaks != "off")
     if hasattr(config, "workerinput"):
         xdist_support.configure_worker(config)
+        state.put_back_scopes = scopes.set_aside()
         # PYTEST_CURRENT_TEST inherited from an outer session (a pytest run by a test)
         # names a test of that session, not of this one.
         scopes.process_state().set_nodeid("")
@@ -249,7 +252,7 @@ def pytest_configure(config: pytest.Config) -> None:
     ):
         state.previous_env[name] = os.environ.get(name)
         os.environ[name] = value
-    scopes.reattach()
+    state.put_back_scopes = scopes.set_aside()
     scopes.process_state().set_nodeid("")  # register now; not the outer session's test
 
 
@@ -950,18 +953,19 @@ def pytest_unconfigure(config: pytest.Config) -> None:
             state.session_scope.release()
         except ScopeExpired:
             pass  # already reported: the session overran while it was ending
-    if state.watchdog is None:
-        return
-    end = {"exitstatus": None, **ci_reports.session_end(config)}
-    if not state.watchdog.alive() and state.settings.report:
-        _report_without_watchdog(config, state, end)
-    state.watchdog.stop(end)
+    if state.watchdog is not None:
+        end = {"exitstatus": None, **ci_reports.session_end(config)}
+        if not state.watchdog.alive() and state.settings.report:
+            _report_without_watchdog(config, state, end)
+        state.watchdog.stop(end)
     for name, value in state.previous_env.items():
         if value is None:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
-    scopes.reattach()
+    # The process as the session found it (a pytest run inside a test of another).
+    state.put_back_scopes()
+    state.leave_leaks()
 
 
 def _report_without_watchdog(

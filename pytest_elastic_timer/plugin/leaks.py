@@ -15,7 +15,8 @@ import ctypes
 import ctypes.util
 import os
 import threading
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import psutil
@@ -25,17 +26,64 @@ if TYPE_CHECKING:
 # collection walks.
 
 _PR_SET_CHILD_SUBREAPER = 36
+_PR_GET_CHILD_SUBREAPER = 37
+
+
+def _prctl() -> Any:
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    return libc.prctl
 
 
 def become_subreaper() -> bool:
     """Adopt orphaned descendants (Linux); False where the system does not support it."""
+    return _set_subreaper(1)
+
+
+def _set_subreaper(value: int) -> bool:
     if not os.path.exists("/proc/self/task"):
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        return bool(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
+        return bool(_prctl()(_PR_SET_CHILD_SUBREAPER, value, 0, 0, 0) == 0)
     except (OSError, AttributeError):
         return False
+
+
+def is_subreaper() -> bool:
+    """Whether this process adopts its orphaned descendants (Linux)."""
+    if not os.path.exists("/proc/self/task"):
+        return False
+    try:
+        flag = ctypes.c_int(0)
+        return bool(_prctl()(_PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0) == 0 and flag)
+    except (OSError, AttributeError):
+        return False
+
+
+def enter_session(*, adopt: bool) -> Callable[[], None]:
+    """Make this process ready to look for leaks (a subreaper when ``adopt``); returns
+    the function that leaves it as it was found, for a session run inside a test of
+    another: the subreaper flag off again if it was off (orphans adopted meanwhile stay
+    children: the kernel has no way back), the procfs files this session opened closed.
+    """
+    was_subreaper = is_subreaper()
+    files = dict(_children_fds)
+    main = _main_children[0]
+    if adopt and not was_subreaper:
+        become_subreaper()
+
+    def leave() -> None:
+        if adopt and not was_subreaper:
+            _set_subreaper(0)
+        opened = [k for k, fd in _children_fds.items() if files.get(k) != fd]
+        for key in opened:
+            with contextlib.suppress(OSError):
+                os.close(_children_fds.pop(key))
+        if _main_children[0] != main:
+            with contextlib.suppress(OSError):
+                os.close(_main_children[0])
+            _main_children[0] = main
+
+    return leave
 
 
 _children_fds: dict[tuple[int, str], int] = {}  # (pid, task) -> open procfs fd

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import faulthandler
 import itertools
 import json
 import os
@@ -100,6 +99,8 @@ class ProcessState:
         self.trace_flushed = 0.0
         self.alive_checked = 0.0
         self.on_interrupt = on_interrupt
+        self.previous_handler: signal.Handlers | SignalHandler | int | None = None
+        self.dump: startup.DumpRegistration | None = None
         self.interrupt_sig, self.dump_sig = self._install_signals(on_interrupt)
         self.table = self._attach()
         self.armed = self.table.floats  # hot path: armed[tbl.H_ARMED]
@@ -116,18 +117,19 @@ class ProcessState:
             # signal.signal() works only in the main thread; such a process gets no soft
             # interrupt, the watchdog goes straight to dump and terminate after grace.
             return 0, 0
-        preset = getattr(sys, "_pytest_elastic_timer_dump", None)  # see startup.py
+        preset = startup.preset_dump()
         free = [s for s in _free_signals(3, on_interrupt) if not preset or s != preset[0]]
         interrupt_sig = free[0] if free else 0
         if preset:
-            dump_sig = int(preset[0])
-            self.dump_file = preset[1]
+            dump_sig = preset[0]
+        elif len(free) > 1:
+            dump_sig = free[1]
         else:
-            dump_sig = free[1] if len(free) > 1 else 0
+            dump_sig = 0
         if interrupt_sig:
             # Python installs handlers without SA_RESTART: a blocking system call returns
             # EINTR, the handler runs (and raises), and other code retries (PEP 475).
-            signal.signal(interrupt_sig, on_interrupt)
+            self.previous_handler = signal.signal(interrupt_sig, on_interrupt)
         return interrupt_sig, dump_sig
 
     def _attach(self) -> tbl.ScopeTable:
@@ -153,21 +155,20 @@ class ProcessState:
         path = os.path.join(directory, f"table-{self.pid}-{uuid.uuid4().hex[:8]}")
         table = tbl.ScopeTable.create(path)
         dump_path = ""
-        preset = getattr(sys, "_pytest_elastic_timer_dump", None)
+        preset = startup.preset_dump()
         here = os.path.realpath(directory)
         if (
             preset
             and self.dump_sig == preset[0]
-            and os.path.dirname(os.path.realpath(preset[1].name)) == here
+            and os.path.dirname(os.path.realpath(preset[1])) == here
         ):
-            dump_path = preset[1].name  # registered at start-up already
+            dump_path = preset[1]  # registered at start-up already
         elif self.dump_sig:
             # No handler yet, or one into another session's directory (a pytest run
-            # inside a test of another): dump into this session's directory.
+            # inside a test of another): dump into this session's directory until
+            # close() puts the earlier registration back.
             dump_path = os.path.join(directory, f"dump-{self.pid}-{uuid.uuid4().hex[:8]}")
-            fd = os.open(dump_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-            self.dump_file = os.fdopen(fd, "w")
-            faulthandler.register(self.dump_sig, file=self.dump_file, all_threads=True, chain=False)
+            self.dump = startup.register_dump(self.dump_sig, dump_path)
         sock.sendall(wire.encode("hello", pid=self.pid, table=path, dump=dump_path))
         op, fields = wire.decode(sock.recv(wire.MAX_MESSAGE))
         if op != "welcome":
@@ -180,13 +181,33 @@ class ProcessState:
             atexit.register(self.flush_trace)
         self.watchdog_pid = int(fields.get("pid", 0))
         sock.settimeout(None)
+        # Closed at exit, so that a process that never calls close() (a child, an
+        # xdist worker) is not warned about an unclosed socket.
+        atexit.register(self._close_socket)
         return table
 
     def close(self) -> None:
-        """Detach from the watchdog (or stop the sentinel); scopes open now are lost."""
+        """Detach from the watchdog (or stop the sentinel); scopes open now are lost.
+
+        Everything the state installed is undone: the process is left as it was
+        before (a pytest session run inside a test of another ends this way)."""
         self._close_socket()
+        atexit.unregister(self._close_socket)
         if self.sentinel is not None:
             self.sentinel.stop()
+        if self.trace is not None:
+            self.flush_trace()
+            atexit.unregister(self.flush_trace)
+        if self.dump is not None:
+            startup.unregister_dump(self.dump)
+            self.dump = None
+        if (
+            self.interrupt_sig
+            and self.previous_handler is not None
+            and threading.current_thread() is threading.main_thread()
+        ):
+            signal.signal(self.interrupt_sig, self.previous_handler)
+            self.previous_handler = None
 
     def _close_socket(self) -> None:
         if self.sock is not None:

@@ -192,6 +192,29 @@ def reattach() -> None:
         old.close()
 
 
+def set_aside() -> Callable[[], None]:
+    """Let the next scope connect anew, as :func:`reattach`, and return the function
+    that closes that new state and puts this one back: a pytest session run inside a
+    test of another leaves the outer session's connection as it found it. While scopes
+    are open they keep the state in use, and nothing is set aside."""
+    global _state
+    if any(_stacks.values()):
+        return _keep
+    previous, _state = _state, None
+
+    def put_back() -> None:
+        global _state
+        current, _state = _state, previous
+        if current is not None and current is not previous:
+            current.close()
+
+    return put_back
+
+
+def _keep() -> None:
+    pass
+
+
 def _forget_after_fork() -> None:
     # The child owns none of its parent's scopes: it starts with a table of its own.
     global _state, _state_lock, _tls

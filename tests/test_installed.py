@@ -1,0 +1,278 @@
+"""Installed, the plugin changes nothing a suite that does not use it can observe.
+
+It loads into every pytest session of its environment, other projects' inner (pytester)
+sessions included: no warning under strict settings, a nested session leaves its
+process as it found it, nothing goes through names a test may patch, and the session's
+sitecustomize chains to the one it shadows without undoing it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+STRICT_SUITE = '''
+import subprocess
+import os
+import sys
+
+import pytest_elastic_timer as et
+
+CHILD = """
+import pytest_elastic_timer as et
+
+with et.expires(30, scope="child"):
+    pass
+print("child done")
+"""
+
+
+def test_scope():
+    with et.expires(30, scope="outer"):
+        with et.expires(20, scope="inner"):
+            pass
+
+
+def test_child_process_is_quiet():
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD], capture_output=True, text=True, encoding="utf-8"
+    )
+    assert (done.returncode, done.stdout, done.stderr) == (0, "child done\\n", "")
+
+
+def test_marker_budget(elastic_timer):
+    assert elastic_timer.budget is None
+'''
+
+
+@pytest.mark.skipif(sys.version_info < (3, 10), reason="EncodingWarning is new in 3.10")
+@pytest.mark.parametrize("workers", [[], ["-p", "xdist", "-n", "2"]], ids=["one", "xdist"])
+def test_strict_warnings_see_nothing(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, workers: list[str]
+) -> None:
+    """Under PYTHONWARNDEFAULTENCODING=1 and every warning an error (in pytest and in
+    every Python it starts), a session with scopes, a child process and xdist passes
+    and prints nothing on stderr."""
+    monkeypatch.setenv("PYTHONWARNDEFAULTENCODING", "1")
+    monkeypatch.setenv("PYTHONWARNINGS", "error")
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    pytester.makeini("[pytest]\nfilterwarnings = error\n")
+    pytester.makepyfile(test_strict=STRICT_SUITE)
+    result = pytester.runpytest_subprocess(
+        "-p", "elastic_timer", "-p", "no:cacheprovider", *workers, "-W", "error"
+    )
+    result.assert_outcomes(passed=3)
+    assert result.errlines == []
+
+
+NESTED_SUITE = '''
+import ctypes
+import gc
+import os
+import signal
+import os
+import sys
+import threading
+
+import pytest
+
+INNER = """
+import subprocess
+import os
+import sys
+
+import pytest
+import pytest_elastic_timer as et
+
+
+def test_inner():
+    with et.expires(30, scope="inner"):
+        subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+
+def test_expiry_caught():
+    with pytest.raises(et.ScopeExpired):
+        with et.expires(0.05, scope="short"):
+            while True:
+                pass
+"""
+
+
+def _subreaper():
+    flag = ctypes.c_int(0)
+    ctypes.CDLL(None).prctl(37, ctypes.byref(flag), 0, 0, 0)
+    return flag.value
+
+
+def _caught():
+    with open("/proc/self/status") as f:
+        return [line for line in f if line.startswith("SigCgt:")]
+
+
+def _files():
+    found = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            found[int(fd)] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass  # the descriptor listdir itself used
+    return found
+
+
+def _sizes(files):
+    sizes = {}
+    for fd, target in files.items():
+        try:
+            sizes[fd] = os.fstat(fd).st_size
+        except OSError:
+            pass
+    return sizes
+
+
+def _dump_target():
+    """Where a stack dump on the session's dump signal goes now (which descriptor)."""
+    num = os.environ.get("PYTEST_ELASTIC_TIMER_DUMP_SIGNAL", "")
+    if not num.isdigit() or not int(_caught()[0].split()[1], 16) >> (int(num) - 1) & 1:
+        return None  # not registered here (this process did not start in a session)
+    files = _files()
+    before = _sizes(files)
+    signal.pthread_kill(threading.main_thread().ident, int(num))
+    after = _sizes(files)
+    return sorted(fd for fd in after if after[fd] > before.get(fd, 0))
+
+
+def snapshot():
+    gc.collect()
+    env = dict(os.environ)
+    # pytest itself (not the plugin) removes this at the end of the inner test.
+    env.pop("PYTEST_CURRENT_TEST", None)
+    return {
+        "files": _files(),
+        "env": env,
+        "sys.path": list(sys.path),
+        "path_hooks": list(sys.path_hooks),
+        "meta_path": list(sys.meta_path),
+        "handlers": {
+            s: signal.getsignal(s)
+            for s in signal.valid_signals()
+            if s not in (signal.SIGKILL, signal.SIGSTOP)
+        },
+        "caught": _caught(),
+        "dump goes to": _dump_target(),
+        "threads": sorted(t.name for t in threading.enumerate()),
+        "subreaper": _subreaper(),
+        "children": sorted(os.listdir(f"/proc/self/task/{threading.get_native_id()}")),
+    }
+
+
+@pytest.mark.parametrize("scoped_before", [False, True])
+def test_nested(pytester, scoped_before):
+    if scoped_before:
+        import pytest_elastic_timer as et
+
+        with et.expires(30, scope="outer"):
+            pass
+    pytester.makepyfile(test_inner=INNER)
+    pytester.makeini("[pytest]\\n")
+    before = snapshot()
+    for _ in range(2):
+        result = pytester.runpytest_inprocess(
+            "-p", "elastic_timer", "-p", "no:cacheprovider", "-p", "no:asyncio"
+        )
+        result.assert_outcomes(passed=2)
+    after = snapshot()
+    assert after == before
+
+
+def test_after():
+    gc.collect()
+'''
+
+
+@pytest.mark.parametrize("outer", [[], ["-p", "no:elastic_timer"]], ids=["plugin", "no-plugin"])
+def test_nested_session_leaves_the_process_as_found(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, outer: list[str]
+) -> None:
+    """Two in-process inner sessions with scopes, a child process and an expiry leave
+    files, sockets, signal handlers and faulthandler registrations, environment,
+    sys.path, atexit callbacks, threads and the subreaper flag as they found them."""
+    pytester.makeini("[pytest]\nfilterwarnings = error\n")
+    pytester.makepyfile(test_nested=NESTED_SUITE)
+    result = pytester.runpytest_subprocess(
+        "-p",
+        "pytester",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:asyncio",
+        *outer,
+        "-W",
+        "error::ResourceWarning",
+    )
+    result.assert_outcomes(passed=3)
+
+
+SHADOWED_SITECUSTOMIZE = """
+import os
+import sys
+
+sys.path.append("/nonexistent/added-by-the-shadowed-sitecustomize")
+
+
+def _hook(path):
+    raise ImportError("not for this hook")
+
+
+_hook.added_by_shadowed = True
+sys.path_hooks.append(_hook)
+"""
+
+CHAIN_SUITE = '''
+import json
+import os
+import subprocess
+import os
+import sys
+
+CHILD = """
+import json
+import os
+import sys
+
+print(json.dumps({
+    "path": sys.path,
+    "hooks": [getattr(h, "added_by_shadowed", False) for h in sys.path_hooks],
+    "sitecustomize": getattr(sys.modules.get("sitecustomize"), "__file__", None),
+}))
+"""
+
+
+def test_child_sees_what_the_shadowed_sitecustomize_did():
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD], capture_output=True, text=True, check=True
+    )
+    seen = json.loads(out.stdout)
+    startup = os.environ["PYTHONPATH"].split(os.pathsep)[0]
+    assert startup.endswith("startup")  # the session's own directory comes first
+    assert "/nonexistent/added-by-the-shadowed-sitecustomize" in seen["path"]
+    assert True in seen["hooks"]
+    assert seen["sitecustomize"] == os.path.join(os.environ["SHADOWED"], "sitecustomize.py")
+    assert startup not in seen["path"]
+'''
+
+
+def test_sitecustomize_chains_without_undoing_the_shadowed_one(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The session's sitecustomize runs the one it shadows and keeps what that one did
+    to sys.path and the import system; only its own directory leaves sys.path."""
+    shadowed = pytester.mkdir("shadowed")
+    (shadowed / "sitecustomize.py").write_text(SHADOWED_SITECUSTOMIZE, encoding="utf-8")
+    python_path = [str(shadowed), *filter(None, [os.environ.get("PYTHONPATH")])]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(python_path))
+    monkeypatch.setenv("SHADOWED", str(shadowed))
+    pytester.makepyfile(test_chain=CHAIN_SUITE)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:asyncio")
+    result.assert_outcomes(passed=1)
