@@ -13,6 +13,12 @@ included), and after the test, allowing a few seconds for exits, fails the test 
 
 Processes are attributed by the tag, never by name alone: other sessions may run on the
 same machine (and other xdist workers of this one), and their processes are not ours.
+
+Stand-in hosts (``standin_hosts.py``, fixture ``stand_in_hosts``) are pid namespaces
+whose processes are visible here under their outer pids: they carry the tag like any
+other. The check runs while those hosts still exist (ending a host's pid 1 would end
+everything in it and hide what was left), looks into each host's private /dev/shm as
+well, and only then ends the hosts.
 """
 
 from __future__ import annotations
@@ -21,9 +27,11 @@ import glob
 import os
 import time
 import uuid
+from collections.abc import Callable, Iterator
 
 import psutil
 import pytest
+from standin_hosts import StandInHost, require
 
 TAG_ENV = "ELASTIC_TIMER_TEST_TAG"
 SESSION_DIRS = "/dev/shm/pytest-elastic-timer-*"
@@ -100,14 +108,19 @@ class Snapshot:
         self.children = {_key(p) for p in self.me.children(recursive=True)}
         self.dirs = set(glob.glob(SESSION_DIRS))
         self.started = time.time()
+        self.spare: set[tuple[int, float]] = set()  # the test's own helpers (hosts' pid 1)
+        self.hosts: list[StandInHost] = []
+        self.after_check: list[Callable[[], None]] = []
 
     def leftovers(self) -> tuple[list[psutil.Process], list[str]]:
         procs = {
             _key(p): p
             for p in self.me.children(recursive=True)
-            if _key(p) not in self.children and _running(p)
+            if _key(p) not in self.children and _key(p) not in self.spare and _running(p)
         }
-        tagged = {_key(p): p for p in _tagged(self.tag)}
+        tagged = {_key(p): p for p in _tagged(self.tag) if _key(p) not in self.spare}
+        for host in self.hosts:  # untagged ones too: nothing else runs there
+            tagged.update((_key(p), p) for p in host.processes())
         watchdogs = _watchdogs()
         for proc, cmdline in watchdogs:
             if _key(proc) in tagged and _root_gone(proc, cmdline):
@@ -119,6 +132,14 @@ class Snapshot:
             d
             for d in set(glob.glob(SESSION_DIRS)) - self.dirs
             if d not in served and _created(d) >= self.started - 0.5 and not _owners_alive(d)
+        )
+        # A host's watchdog names its directory as seen on that host.
+        served_names = {os.path.basename(d) for d in served if d}
+        dirs += sorted(
+            d
+            for host in self.hosts
+            for d in host.session_dirs()
+            if os.path.basename(d) not in served_names
         )
         return list(procs.values()), dirs
 
@@ -154,7 +175,7 @@ def _end(procs: list[psutil.Process]) -> None:
 
 
 @pytest.fixture(autouse=True)
-def no_leftovers(monkeypatch: pytest.MonkeyPatch) -> object:
+def no_leftovers(monkeypatch: pytest.MonkeyPatch) -> Iterator[Snapshot]:
     tag = uuid.uuid4().hex
     monkeypatch.setenv(TAG_ENV, tag)
     snapshot = Snapshot(tag)
@@ -164,8 +185,35 @@ def no_leftovers(monkeypatch: pytest.MonkeyPatch) -> object:
     while (procs or dirs) and time.monotonic() < give_up:
         time.sleep(0.05)
         procs, dirs = snapshot.leftovers()
-    if procs or dirs:
-        lines = [f"process left behind: {_describe(p)}" for p in procs]
-        lines += [f"session directory left behind: {d}" for d in dirs]
-        _end(procs)
-        pytest.fail("\n".join(lines), pytrace=False)
+    try:
+        if procs or dirs:
+            lines = [f"process left behind: {_describe(p)}" for p in procs]
+            lines += [f"session directory left behind: {d}" for d in dirs]
+            _end(procs)
+            pytest.fail("\n".join(lines), pytrace=False)
+    finally:
+        for callback in snapshot.after_check:
+            callback()
+
+
+@pytest.fixture
+def stand_in_hosts(
+    no_leftovers: Snapshot, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[..., list[StandInHost]]:
+    """``stand_in_hosts("host-a", "host-b")``: stand-in hosts (pid, mount and UTS
+    namespaces) that live until the leftover check of the test is done; skips the test
+    where namespaces cannot be made."""
+    require()
+    directory = tmp_path_factory.mktemp("hosts")
+
+    def make(*names: str) -> list[StandInHost]:
+        hosts = []
+        for name in names:
+            host = StandInHost(name, directory)
+            no_leftovers.spare.update({_key(psutil.Process(host.holder.pid)), _key(host.init)})
+            no_leftovers.hosts.append(host)
+            no_leftovers.after_check.append(host.close)
+            hosts.append(host)
+        return hosts
+
+    return make

@@ -82,6 +82,7 @@ CONTRACT_FIELDS = (
     "line",
     "action",
     "stack",
+    "host",
 )
 
 

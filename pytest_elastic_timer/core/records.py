@@ -39,6 +39,7 @@ class ExpiryRecord:
     deadline: float = 0.0
     ended: float = 0.0
     serial: int = 0
+    host: str = ""  # where the owner ran; "" on the controller's host
 
     def line_text(self) -> str:
         """The one-line summary shared by every report of this expiry."""
@@ -53,7 +54,15 @@ class ExpiryRecord:
             parts.insert(0, self.label)
         if self.worker:
             parts.append(f"worker {self.worker}")
+        if self.host:
+            parts.append(f"host {self.host}")
         return ", ".join(parts)
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        """What names one scope in a session: a later record of it supersedes earlier
+        ones. Pids repeat across hosts, so the host is part of it."""
+        return (self.host, self.pid, self.serial)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -84,19 +93,19 @@ def append_record(path: str, record: ExpiryRecord) -> None:
 
 def read_records(path: str) -> list[ExpiryRecord]:
     """Every complete record in ``path`` (a torn last line is skipped); a later record
-    of the same scope (pid, serial) supersedes an earlier one."""
+    of the same scope (host, pid, serial) supersedes an earlier one."""
     try:
         with open(path, encoding="utf-8") as f:
             lines = f.readlines()
     except FileNotFoundError:
         return []
-    found: dict[tuple[int, int], ExpiryRecord] = {}
+    found: dict[tuple[str, int, int], ExpiryRecord] = {}
     for text in lines:
         try:
             record = ExpiryRecord.from_json(json.loads(text))
         except (ValueError, TypeError):
             continue
-        key = (record.pid, record.serial)
+        key = record.key
         found.pop(key, None)  # re-insert: order by the latest word on each scope
         found[key] = record
     return list(found.values())
@@ -109,6 +118,11 @@ def write_report(path: str, records: list[ExpiryRecord], session: dict[str, Any]
         "expired": [r.to_json() for r in records],
         "session": session,
     }
+    write_json(path, report)
+
+
+def write_json(path: str, report: dict[str, Any]) -> None:
+    """Write ``report`` to ``path`` in one step: a temporary file, then a rename."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"

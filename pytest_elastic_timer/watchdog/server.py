@@ -120,6 +120,7 @@ class Watchdog:
         self.dump_signal = dump_signal  # every Python process of the session dumps on it
         self.session = dict(session or {})
         self.session.setdefault("started", time.time())
+        self.session.setdefault("host", socket.gethostname())  # what merged reports name
         self.records: list[records.ExpiryRecord] = []
         self.owners: dict[int, Owner] = {}
         self.foreign: dict[int, Owner] = {}  # processes known only from torch file timers

@@ -1,0 +1,121 @@
+"""Reports of sharded CI runs merge into one report and one summary (issue 20).
+
+Two real sessions write their JSON reports: one on this machine, one on a stand-in
+host (``standin_hosts.py``) that plays a second CI machine.
+``python -m pytest_elastic_timer.merge`` then prints one summary and writes one report
+that the package's JSON Schema accepts, every record naming the machine it came from.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+from helpers import LEAN
+from standin_hosts import StandInHost
+
+import pytest_elastic_timer
+
+SCHEMA = Path(pytest_elastic_timer.__file__).parent / "core" / "report.schema.json"
+
+SHARD = """
+import time
+import pytest
+
+@pytest.mark.expires(0.3)
+def test_{name}():
+    time.sleep(30)
+
+def test_{name}_passes():
+    pass
+"""
+
+
+def run_shard(python: str, directory: Path, name: str) -> Path:
+    """A CI machine's run of its shard: one test overruns; returns its JSON report."""
+    (directory / f"test_{name}.py").write_text(SHARD.format(name=name))
+    report = directory / f"{name}.json"
+    done = subprocess.run(
+        [python, "-m", "pytest", *LEAN, f"--elastic-timer-report={report}", f"test_{name}.py"],
+        cwd=directory,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    return report
+
+
+def merge(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pytest_elastic_timer.merge", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.fixture
+def two_machines(
+    tmp_path: Path, stand_in_hosts: Callable[..., list[StandInHost]]
+) -> tuple[Path, Path]:
+    (ci2,) = stand_in_hosts("ci-2")
+    first = tmp_path / "first"
+    second = tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    return run_shard(sys.executable, first, "one"), run_shard(str(ci2.wrapper), second, "two")
+
+
+def test_reports_of_two_machines_merge_into_one_report_and_one_summary(
+    two_machines: tuple[Path, Path], tmp_path: Path
+) -> None:
+    one, two = two_machines
+    out = tmp_path / "all.json"
+    done = merge(one, two, "-o", out)
+    assert done.returncode == 0, done.stderr
+    merged: dict[str, Any] = json.loads(out.read_text())
+    jsonschema.validate(merged, json.loads(SCHEMA.read_text()))
+    hosts = {r["scope"]: r["host"] for r in merged["expired"]}
+    assert hosts == {"test_one::call": socket.gethostname(), "test_two::call": "ci-2"}
+    session = merged["session"]
+    assert session["hosts"] == [socket.gethostname(), "ci-2"]
+    assert [s["report"] for s in session["merged"]] == [str(one), str(two)]
+    assert [s["exitstatus"] for s in session["merged"]] == [1, 1]
+    assert session["exitstatus"] == 1
+
+    text = done.stdout
+    assert "elastic-timer: expired scopes (2 reports merged)" in text
+    assert "scope 'test_one::call' expired after" in text
+    assert "scope 'test_two::call' expired after" in text
+    assert f"host {socket.gethostname()}" in text and "host ci-2" in text
+    assert f"{two}: host ci-2, 1 expired, exit status 1" in text
+    assert f"merged report written to {out}" in text
+
+
+def test_each_report_keeps_host_empty_for_its_own_machine(
+    two_machines: tuple[Path, Path],
+) -> None:
+    for path, host in zip(two_machines, (socket.gethostname(), "ci-2"), strict=True):
+        report = json.loads(path.read_text())
+        jsonschema.validate(report, json.loads(SCHEMA.read_text()))
+        assert [r["host"] for r in report["expired"]] == [""]
+        assert report["session"]["host"] == host
+
+
+def test_a_file_that_is_not_a_report_is_refused(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"version": 7, "expired": []}')
+    done = merge(bad, "-o", tmp_path / "all.json")
+    assert done.returncode == 2
+    assert f"{bad}: not a version 1 elastic-timer report" in done.stderr
+    assert not (tmp_path / "all.json").exists()
