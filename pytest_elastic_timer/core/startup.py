@@ -12,6 +12,11 @@ writing to ``dump-<pid>`` in the session directory, and then imports the
 ``sitecustomize`` it shadows, if any. The watchdog sends that signal only to processes
 whose ``SigCgt`` mask (``/proc/<pid>/status``) shows the signal caught, so a process
 without the handler is never hit by a signal whose default action would end it.
+
+The same file puts the torch hook (``core/torch_hook.py``, loaded by its path, so the
+package is not imported) first on ``sys.meta_path``: a process that imports
+torch.distributed records its collectives (``scope/collectives.py``); one that does
+not pays one string comparison per import until it ends.
 """
 
 from __future__ import annotations
@@ -39,7 +44,8 @@ def dump_path(directory: str, pid: int) -> str:
 SITECUSTOMIZE = """\
 # Written by pytest-elastic-timer for the processes of one pytest session: each Python
 # process dumps its thread stacks into the session directory on a signal, so that the
-# session's watchdog can report where it is stuck. Then the shadowed sitecustomize runs.
+# session's watchdog can report where it is stuck, and a process that imports
+# torch.distributed records its collectives. Then the shadowed sitecustomize runs.
 def _pytest_elastic_timer_startup():
     import os
     import sys
@@ -78,6 +84,18 @@ def _pytest_elastic_timer_startup():
 
         register()
         os.register_at_fork(after_in_child=register)
+    # Record torch.distributed's ops from the moment torch.distributed is imported.
+    hook = __TORCH_HOOK__
+    if os.environ.get("PYTEST_ELASTIC_TIMER_COLLECTIVES", "1") != "0" and os.path.isfile(hook):
+        try:
+            import importlib.util
+
+            spec = importlib.util.spec_from_file_location("_pytest_elastic_timer_torch_hook", hook)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            module.watch()
+        except Exception:
+            pass
     # Let the sitecustomize this file shadows run as it would have: take only this
     # directory off sys.path (it is not there without the plugin), so whatever that
     # file adds to sys.path or the import system stays.
@@ -158,8 +176,9 @@ def install(session_dir: str) -> str:
     """Write the session's ``sitecustomize.py``; returns the directory for PYTHONPATH."""
     directory = os.path.join(session_dir, DIRECTORY)
     os.makedirs(directory, mode=0o700, exist_ok=True)
+    hook = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_hook.py")
     with open(os.path.join(directory, "sitecustomize.py"), "w", encoding="utf-8") as f:
-        f.write(SITECUSTOMIZE)
+        f.write(SITECUSTOMIZE.replace("__TORCH_HOOK__", repr(hook)))
     return directory
 
 

@@ -22,7 +22,7 @@ from _pytest._code.code import ExceptionChainRepr, ReprEntryNative, ReprExceptio
 from pytest_elastic_timer.ci import reports as ci_reports
 from pytest_elastic_timer.core import records, startup
 from pytest_elastic_timer.plugin import launcher, leaks, xdist_support
-from pytest_elastic_timer.scope import client, scopes
+from pytest_elastic_timer.scope import client, collectives, scopes
 from pytest_elastic_timer.scope.scopes import ScopeExpired, TimerRequest
 from pytest_elastic_timer.watchdog import file_timer
 
@@ -254,6 +254,7 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ[name] = value
     state.put_back_scopes = scopes.set_aside()
     scopes.process_state().set_nodeid("")  # register now; not the outer session's test
+    collectives.watch()  # torch.distributed's ops in this process are recorded too
 
 
 def pytest_report_header(config: pytest.Config) -> str:

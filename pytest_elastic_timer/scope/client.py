@@ -29,6 +29,7 @@ from typing import Any
 
 from pytest_elastic_timer.core import startup, wire
 from pytest_elastic_timer.core import table as tbl
+from pytest_elastic_timer.scope import collectives
 
 ENV_ADDRESS = "PYTEST_ELASTIC_TIMER"
 ENV_SCALE = "PYTEST_ELASTIC_TIMER_SCALE"  # scale factor where no watchdog tells it
@@ -37,8 +38,11 @@ SignalHandler = Callable[[int, FrameType | None], Any]
 
 
 def label_from_env() -> str:
-    """The label the environment gives this process (``rank N`` from ``RANK`` or
-    ``LOCAL_RANK``), "" without one."""
+    """The label this process has by default: ``rank N`` of its global rank once it
+    called ``init_process_group``, before that from ``RANK`` or ``LOCAL_RANK``; ""
+    without one."""
+    if collectives.rank_label:  # init_process_group said which global rank this is
+        return collectives.rank_label
     for name in ("RANK", "LOCAL_RANK"):
         value = os.environ.get(name)
         if value is not None and value.strip().lstrip("-").isdigit():
@@ -108,6 +112,7 @@ class ProcessState:
         self.table.words[tbl.H_INTERRUPT_SIG] = self.interrupt_sig
         self.table.words[tbl.H_DUMP_SIG] = self.dump_sig
         self.table.words[tbl.H_MAIN_TID] = threading.main_thread().ident or 0
+        self.label_given = False  # set_label() was called: a rank keeps that label
         self.set_label(label_from_env())
         self.table.words[tbl.H_WORKER_SID] = self.sid(os.environ.get("PYTEST_XDIST_WORKER", ""))
 

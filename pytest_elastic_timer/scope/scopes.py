@@ -29,7 +29,7 @@ from types import FrameType, TracebackType
 from typing import Any
 
 from pytest_elastic_timer.core import table as tbl
-from pytest_elastic_timer.scope import client
+from pytest_elastic_timer.scope import client, collectives
 
 _PACK_SLOT = tbl.SLOT.pack_into
 _PACK_PHASE_SLOT = tbl.PHASE_SLOT.pack_into
@@ -647,10 +647,24 @@ def current_scope() -> TimerRequest | None:
 
 
 def set_label(label: str) -> None:
-    """Name this process in reports (e.g. ``"rank 0"``); default from ``RANK``."""
+    """Name this process in reports (e.g. ``"rank 0"``); default ``rank N`` from
+    ``init_process_group``, else from ``RANK``."""
     if not isinstance(label, str):
         raise TypeError(f"label must be a str, not {label!r}")
-    process_state().set_label(label)
+    state = process_state()
+    state.set_label(label)
+    state.label_given = True
+
+
+def _label_rank(label: str) -> None:
+    """init_process_group named this process ``rank N``: its reports say so too,
+    unless it set a label of its own."""
+    state = _state
+    if state is not None and not state.label_given:
+        state.set_label(label)
+
+
+collectives.label_listeners.append(_label_rank)
 
 
 def _close_abandoned(stack: ScopeStack, scope: TimerRequest) -> None:

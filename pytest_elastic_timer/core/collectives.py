@@ -1,0 +1,631 @@
+"""The collectives ring: the last torch.distributed ops of a process, in shared memory.
+
+Every process of the session that uses torch.distributed records each collective and
+point-to-point op it calls (``scope/collectives.py``) into a *ring* of the last
+:data:`CAPACITY` ops. The ring is a file of its own in the session directory,
+``collectives-<pid>-<id>``, mapped by its process: a rank that never imports the package
+has no scope table, and a ring written once per op must not wait for anybody. Like a
+scope table, the file outlives its process, so the watchdog can still read what a rank
+that was killed (or aborted by gloo) was doing.
+
+Layout (little endian)::
+
+    header   4096 bytes: words (see the ``H_*`` indexes), then text fields
+    groups   16 KiB, append-only lines ``name<TAB>rank,rank,...<LF>``: process groups
+             and their global member ranks
+    entries  CAPACITY x 512 bytes, ``ENTRY`` struct, entry ``n`` (1-based serial) at
+             position ``(n - 1) % CAPACITY``
+
+An entry is written like a scope table's slot: its first word cleared, the other fields
+and the last word (the serial) with one ``pack_into``, then the first word. A reader
+takes an entry only when both words hold the serial it expects at that position. The
+end of an op (``complete``) is two later stores into its entry, the end time and then
+the state.
+
+:func:`align` is the analysis the watchdog runs at an expiry: given the rings of the
+ranks concerned, which collective the waiting ranks block in and which ranks never
+entered it (the question PyTorch's Flight Recorder analyzer answers after the fact).
+This module imports neither torch, pytest nor psutil.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import mmap
+import os
+import re
+import struct
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+MAGIC = 0x3130_4C4F_4354_4550  # b"PETCOL01" read as a little-endian u64
+VERSION = 1
+CAPACITY = 256
+HEADER_SIZE = 4096
+GROUPS_SIZE = 16 * 1024
+ENTRY = struct.Struct("<QqqdQI4xdI4x32s48s200s160sQ")
+ENTRY_SIZE = ENTRY.size
+GROUPS_OFFSET = HEADER_SIZE
+ENTRIES_OFFSET = GROUPS_OFFSET + GROUPS_SIZE
+FILE_SIZE = ENTRIES_OFFSET + CAPACITY * ENTRY_SIZE
+PREFIX = "collectives-"
+assert ENTRY_SIZE == 512
+
+# Header words (8 bytes each).
+H_MAGIC = 0
+H_VERSION = 1
+H_PID = 2
+H_CAPACITY = 3
+H_COUNT = 4  # u64: entries begun so far (the serial of the newest one)
+H_RANK = 5  # i64: global rank after init_process_group, -1 before
+H_WORLD = 6  # i64: world size, 0 before
+H_CREATED = 7  # f64: time.time() when the ring was made
+H_STARTTIME = 8  # u64: the process's start time in clock ticks (/proc/<pid>/stat)
+H_GROUPS_USED = 9  # u64: bytes used in the groups area
+H_EXITED = 10  # u64: 1 once the interpreter exits normally
+# Text fields of the header: (offset, size), UTF-8, NUL padded.
+T_LABEL = (256, 64)  # "rank N"
+T_NODEID = (320, 1024)  # the test whose process started this one (PYTEST_CURRENT_TEST)
+T_WORLD_ID = (1344, 512)  # how the ranks met: init_method, or MASTER_ADDR:MASTER_PORT
+T_WORKER = (1856, 64)  # xdist worker id of the session's worker this process runs below
+
+# Entry fields, in ENTRY's order: serial, seq, peer, start, thread, kind, end, state,
+# op, group, site (file:line), tensors (see encode_tensors), serial again.
+_END = struct.Struct("<d")  # at offset 48 of an entry
+_STATE = struct.Struct("<I")  # at offset 56
+
+# Kinds of op.
+COLLECTIVE = 0
+SEND = 1
+RECV = 2
+INIT = 3  # init_process_group: the rendezvous, seq 0 of the default group
+OTHER = 4  # recorded, never aligned (batch_isend_irecv, ...)
+KIND_NAMES = {COLLECTIVE: "collective", SEND: "send", RECV: "recv", INIT: "init", OTHER: "other"}
+
+# States of an entry.
+STARTED = 1
+COMPLETED = 2
+FAILED = 3  # the op raised: no longer blocking
+STATE_NAMES = {STARTED: "started", COMPLETED: "completed", FAILED: "completed"}
+
+DEFAULT_GROUP = "default"
+# Collectives whose tensors have the same shapes on every rank of a correct program.
+SAME_SHAPES = frozenset(
+    {
+        "all_reduce",
+        "all_reduce_coalesced",
+        "broadcast",
+        "reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "_all_gather_base",
+        "all_gather_coalesced",
+        "reduce_scatter_tensor",
+        "_reduce_scatter_base",
+    }
+)
+
+
+def ring_path(directory: str, pid: int) -> str:
+    """A new ring's file name for process ``pid`` in the session ``directory``."""
+    return os.path.join(directory, f"{PREFIX}{pid}-{uuid.uuid4().hex[:8]}")
+
+
+def process_starttime(pid: int) -> int:
+    """The start time of ``pid`` in clock ticks since boot (0 if unknown): with the pid,
+    it tells a process from a later one that reuses its pid."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return 0
+    # The command name (field 2) may hold spaces and parentheses: split after the last ")".
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return 0
+
+
+def process_alive(pid: int, starttime: int) -> bool:
+    """Whether process ``pid`` that started at ``starttime`` still runs (not a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    if not fields or fields[0] in (b"Z", b"X"):
+        return False
+    return not starttime or (len(fields) > 19 and fields[19] == str(starttime).encode())
+
+
+def encode_tensors(items: Iterable[tuple[str, tuple[int, ...]]], limit: int = 160) -> bytes:
+    """``[("float32", (4, 4)), ...]`` as ``b"float32[4,4];..."``, cut at a whole item
+    to fit ``limit`` bytes (a reader sees fewer tensors, never a torn one)."""
+    out = b""
+    for dtype, shape in items:
+        item = f"{dtype}[{','.join(map(str, shape))}]".encode()
+        if len(out) + len(item) + 1 > limit:
+            break
+        out = out + b";" + item if out else item
+    return out
+
+
+def decode_tensors(text: str) -> list[tuple[str, list[int]]]:
+    """The inverse of :func:`encode_tensors` (items that do not parse are skipped)."""
+    out: list[tuple[str, list[int]]] = []
+    for item in text.split(";") if text else ():
+        match = _TENSOR.fullmatch(item)
+        if match:
+            dims = match.group(2)
+            out.append((match.group(1), [int(d) for d in dims.split(",")] if dims else []))
+    return out
+
+
+_TENSOR = re.compile(r"([\w.]+)\[([\d,]*)\]")
+
+
+class RingWriter:
+    """One process's ring, as its owner writes it."""
+
+    def __init__(self, path: str, capacity: int = CAPACITY) -> None:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.ftruncate(fd, FILE_SIZE)
+            self.mm = mmap.mmap(fd, FILE_SIZE)
+        finally:
+            os.close(fd)
+        self.path = path
+        self.capacity = min(capacity, CAPACITY)
+        self.words = memoryview(self.mm)[:HEADER_SIZE].cast("Q")
+        self.signed = memoryview(self.mm)[:HEADER_SIZE].cast("q")
+        self.floats = memoryview(self.mm)[:HEADER_SIZE].cast("d")
+        self.entry_words = memoryview(self.mm)[ENTRIES_OFFSET:].cast("Q")
+        self.count = 0
+        pid = os.getpid()
+        self.words[H_VERSION] = VERSION
+        self.words[H_PID] = pid
+        self.words[H_CAPACITY] = self.capacity
+        self.signed[H_RANK] = -1
+        self.floats[H_CREATED] = time.time()
+        self.words[H_STARTTIME] = process_starttime(pid)
+        self.words[H_MAGIC] = MAGIC
+
+    def set_text(self, where: tuple[int, int], text: str) -> None:
+        """Write one of the header's text fields (``T_*``), cut to fit."""
+        offset, size = where
+        data = text.encode("utf-8", "replace")[: size - 1]
+        self.mm[offset : offset + size] = data.ljust(size, b"\0")
+
+    def set_rank(self, rank: int, world: int, label: str) -> None:
+        self.signed[H_RANK] = rank
+        self.signed[H_WORLD] = world
+        self.set_text(T_LABEL, label)
+
+    def add_group(self, name: str, members: Iterable[int]) -> None:
+        """Name a process group and its global member ranks (once per group)."""
+        line = f"{name}\t{','.join(map(str, members))}\n".encode()
+        used = self.words[H_GROUPS_USED]
+        if used + len(line) > GROUPS_SIZE:
+            return  # readers fall back to the ranks seen in the group's entries
+        start = GROUPS_OFFSET + used
+        self.mm[start : start + len(line)] = line
+        self.words[H_GROUPS_USED] = used + len(line)
+
+    def begin(
+        self,
+        kind: int,
+        op: bytes,
+        group: bytes,
+        seq: int,
+        peer: int,
+        site: bytes,
+        tensors: bytes,
+        thread: int,
+        start: float,
+    ) -> int:
+        """Record an op that starts now; returns its serial (for :meth:`complete`)."""
+        serial = self.count + 1
+        self.count = serial
+        position = (serial - 1) % self.capacity
+        self.entry_words[position * 64] = 0
+        ENTRY.pack_into(
+            self.mm,
+            ENTRIES_OFFSET + position * ENTRY_SIZE,
+            0,
+            seq,
+            peer,
+            start,
+            thread,
+            kind,
+            0.0,
+            STARTED,
+            op,
+            group,
+            site,
+            tensors,
+            serial,
+        )
+        self.entry_words[position * 64] = serial
+        self.words[H_COUNT] = serial
+        return serial
+
+    def complete(self, serial: int, state: int = COMPLETED, end: float | None = None) -> None:
+        """The op ``serial`` ended (``FAILED``: it raised). A no-op once its entry was
+        reused for a later op, which a completion from another thread may find."""
+        position = (serial - 1) % self.capacity
+        if self.entry_words[position * 64] != serial:
+            return
+        offset = ENTRIES_OFFSET + position * ENTRY_SIZE
+        _END.pack_into(self.mm, offset + 48, time.monotonic() if end is None else end)
+        _STATE.pack_into(self.mm, offset + 56, state)
+
+    def mark_exited(self) -> None:
+        self.words[H_EXITED] = 1
+
+    def close(self) -> None:
+        for view in (self.words, self.signed, self.floats, self.entry_words):
+            view.release()
+        with contextlib.suppress(BufferError):
+            self.mm.close()
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One op of a ring, as a reader sees it."""
+
+    serial: int
+    seq: int
+    peer: int
+    start: float
+    thread: int
+    kind: int
+    end: float
+    state: int
+    op: str
+    group: str
+    site: str
+    tensors: str
+
+    @property
+    def started(self) -> bool:
+        """Still inside the op (not completed, not failed)."""
+        return self.state == STARTED
+
+    @property
+    def shapes(self) -> list[list[int]]:
+        return [shape for _, shape in decode_tensors(self.tensors)]
+
+    @property
+    def dtypes(self) -> list[str]:
+        return [dtype for dtype, _ in decode_tensors(self.tensors)]
+
+    def describe(self) -> str:
+        """``all_reduce #3`` (``send #2 to rank 1`` for point-to-point ops)."""
+        text = f"{self.op} #{self.seq}"
+        if self.kind == SEND and self.peer >= 0:
+            text += f" to rank {self.peer}"
+        elif self.kind == RECV:
+            text += f" from rank {self.peer}" if self.peer >= 0 else " from any rank"
+        return text
+
+
+@dataclass
+class Ring:
+    """A snapshot of one process's ring."""
+
+    path: str
+    pid: int
+    rank: int
+    world: int
+    created: float
+    starttime: int
+    exited: bool
+    label: str
+    nodeid: str
+    world_id: str
+    worker: str
+    groups: dict[str, list[int]] = field(default_factory=dict)
+    entries: list[Entry] = field(default_factory=list)
+
+    def current(self) -> list[Entry]:
+        """The entries since the last ``init_process_group`` (all when there is none in
+        the ring): a rank that destroyed its group and made a new one counts anew."""
+        for index in range(len(self.entries) - 1, -1, -1):
+            if self.entries[index].kind == INIT:
+                return self.entries[index:]
+        return self.entries
+
+    def blocked(self) -> Entry | None:
+        """The op this rank is blocked in: its oldest op that has not ended."""
+        return next((e for e in self.current() if e.started), None)
+
+    def last(self) -> Entry | None:
+        current = self.current()
+        return current[-1] if current else None
+
+
+def _text(mm: bytes | mmap.mmap, where: tuple[int, int]) -> str:
+    offset, size = where
+    return bytes(mm[offset : offset + size]).split(b"\0", 1)[0].decode("utf-8", "replace")
+
+
+def read_ring(path: str) -> Ring | None:
+    """A snapshot of the ring at ``path`` (None for anything that is not one)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(FILE_SIZE + 1)
+    except OSError:
+        return None
+    if len(data) != FILE_SIZE:
+        return None
+    words = struct.unpack_from(f"<{HEADER_SIZE // 8}Q", data)
+    if words[H_MAGIC] != MAGIC or words[H_VERSION] != VERSION:
+        return None
+    signed = struct.unpack_from("<qq", data, H_RANK * 8)
+    (created,) = struct.unpack_from("<d", data, H_CREATED * 8)
+    capacity = min(int(words[H_CAPACITY]) or CAPACITY, CAPACITY)
+    count = int(words[H_COUNT])
+    entries: list[Entry] = []
+    for serial in range(max(1, count - capacity + 1), count + 1):
+        position = (serial - 1) % capacity
+        fields = ENTRY.unpack_from(data, ENTRIES_OFFSET + position * ENTRY_SIZE)
+        if fields[0] != serial or fields[-1] != serial:
+            continue  # being rewritten, or torn
+        strings = [b.split(b"\0", 1)[0].decode("utf-8", "replace") for b in fields[8:12]]
+        entries.append(Entry(*fields[:8], *strings))
+    groups: dict[str, list[int]] = {}
+    used = min(int(words[H_GROUPS_USED]), GROUPS_SIZE)
+    for line in data[GROUPS_OFFSET : GROUPS_OFFSET + used].decode("utf-8", "replace").splitlines():
+        name, _, members = line.partition("\t")
+        with contextlib.suppress(ValueError):
+            groups[name] = [int(m) for m in members.split(",") if m]
+    return Ring(
+        path=path,
+        pid=int(words[H_PID]),
+        rank=signed[0],
+        world=signed[1],
+        created=created,
+        starttime=int(words[H_STARTTIME]),
+        exited=bool(words[H_EXITED]),
+        label=_text(data, T_LABEL),
+        nodeid=_text(data, T_NODEID),
+        world_id=_text(data, T_WORLD_ID),
+        worker=_text(data, T_WORKER),
+        groups=groups,
+        entries=entries,
+    )
+
+
+def ring_paths(directory: str, pids: Iterable[int] | None = None) -> list[str]:
+    """Ring files in the session ``directory`` (of the processes ``pids`` only)."""
+    if pids is None:
+        return sorted(glob.glob(os.path.join(directory, f"{PREFIX}*")))
+    found: list[str] = []
+    for pid in pids:
+        found.extend(glob.glob(os.path.join(directory, f"{PREFIX}{pid}-*")))
+    return sorted(found)
+
+
+def read_rings(paths: Iterable[str]) -> list[Ring]:
+    return [ring for ring in map(read_ring, paths) if ring is not None]
+
+
+def world_of(seeds: Iterable[Ring], others: Iterable[Ring]) -> list[Ring]:
+    """The rings of the ranks that meet the ranks of ``seeds``: the seeds, and those
+    of ``others`` with the same world (``world_id`` and test), the newest ring of a
+    rank winning (a rank started again, or a pid reused, leaves older rings behind)."""
+    seeds = [r for r in seeds if r.rank >= 0]
+    keys = {(r.world_id, r.nodeid) for r in seeds if r.world_id}
+    chosen: dict[int, Ring] = {}
+    for ring in [*seeds, *(r for r in others if (r.world_id, r.nodeid) in keys and r.rank >= 0)]:
+        known = chosen.get(ring.rank)
+        if known is None or ring.created > known.created:
+            chosen[ring.rank] = ring
+    return [chosen[rank] for rank in sorted(chosen)]
+
+
+# -- alignment ---------------------------------------------------------------------
+def _members(rings: Mapping[int, Ring], group: str) -> list[int]:
+    for ring in rings.values():
+        if group in ring.groups:
+            return sorted(ring.groups[group])
+    if group == DEFAULT_GROUP:
+        world = max((r.world for r in rings.values()), default=0)
+        if world > 0:
+            return list(range(world))
+    return sorted(r for r, ring in rings.items() if any(e.group == group for e in ring.current()))
+
+
+def _at(ring: Ring | None, group: str, seq: int, kinds: tuple[int, ...]) -> Entry | None:
+    if ring is None:
+        return None
+    return next(
+        (e for e in ring.current() if e.group == group and e.seq == seq and e.kind in kinds),
+        None,
+    )
+
+
+def _rank_view(entry: Entry | None, now: float) -> dict[str, Any]:
+    if entry is None:
+        return {"op": "", "seq": 0, "state": "none", "site": "", "shapes": [], "since": 0.0}
+    began = entry.start if entry.started or not entry.end else entry.end
+    return {
+        "op": entry.op,
+        "seq": entry.seq,
+        "state": STATE_NAMES.get(entry.state, "started"),
+        "site": entry.site,
+        "shapes": entry.shapes,
+        "since": round(max(0.0, now - began), 3),
+    }
+
+
+def align(rings: Iterable[Ring], now: float) -> dict[str, Any] | None:
+    """The ``collective`` field of an expiry record, from the rings of the ranks
+    concerned (``now``: ``time.monotonic()`` at the expiry), or None when no rank is
+    inside a collective or point-to-point op.
+
+    The collective is the op the longest-waiting rank blocks in: its group and that
+    group's sequence number. ``waiting`` are the group's ranks inside an op at that
+    sequence number, ``missing`` those that never reached it (a rank without a ring
+    too); ``mismatch`` is ``"op"`` when the ranks at that number are in different ops,
+    ``"shape"`` when they are in the same op with different tensor shapes.
+    """
+    by_rank: dict[int, Ring] = {}
+    for ring in rings:
+        known = by_rank.get(ring.rank)
+        if ring.rank >= 0 and (known is None or ring.created > known.created):
+            by_rank[ring.rank] = ring
+    blocked = {rank: entry for rank, ring in by_rank.items() if (entry := ring.blocked())}
+    if not blocked:
+        return None
+    anchor_rank, anchor = min(blocked.items(), key=lambda item: (item[1].start, item[0]))
+    group, seq = anchor.group, anchor.seq
+    if anchor.kind in (SEND, RECV):
+        kinds: tuple[int, ...] = (SEND, RECV)
+        members = sorted({anchor_rank, *([anchor.peer] if anchor.peer >= 0 else [])})
+        here: dict[int, Entry | None] = {anchor_rank: anchor}
+        if anchor.peer >= 0:
+            # The peer's matching op: the same count of ops between the two, the other way.
+            other = SEND if anchor.kind == RECV else RECV
+            peer_ring = by_rank.get(anchor.peer)
+            here[anchor.peer] = next(
+                (
+                    e
+                    for e in (peer_ring.current() if peer_ring else ())
+                    if e.kind == other
+                    and e.group == group
+                    and e.seq == seq
+                    and e.peer in (anchor_rank, -1)
+                ),
+                None,
+            )
+    else:
+        kinds = (COLLECTIVE, INIT) if anchor.kind != OTHER else (OTHER,)
+        members = _members(by_rank, group)
+        if anchor_rank not in members:
+            members = sorted({*members, anchor_rank})
+        here = {rank: _at(by_rank.get(rank), group, seq, kinds) for rank in members}
+    waiting = sorted(rank for rank in members if (e := here.get(rank)) and e.started)
+    missing = sorted(rank for rank in members if here.get(rank) is None)
+    present = [e for rank in members if (e := here.get(rank)) is not None]
+    mismatch: str | None = None
+    if anchor.kind == COLLECTIVE and len({e.op for e in present}) > 1:
+        mismatch = "op"
+    elif (
+        anchor.kind == COLLECTIVE
+        and anchor.op in SAME_SHAPES
+        and len({tuple(map(tuple, e.shapes)) for e in present}) > 1
+    ):
+        mismatch = "shape"
+    ranks: dict[str, dict[str, Any]] = {}
+    for rank in members:
+        entry = here.get(rank)
+        if entry is None:
+            rank_ring = by_rank.get(rank)
+            entry = (rank_ring.blocked() or rank_ring.last()) if rank_ring else None
+        ranks[str(rank)] = _rank_view(entry, now)
+    return {
+        "group": group,
+        "seq": seq,
+        "op": anchor.op,
+        "waiting": waiting,
+        "missing": missing,
+        "mismatch": mismatch,
+        "ranks": ranks,
+    }
+
+
+# -- text --------------------------------------------------------------------------
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]*)", line (?P<line>\d+) in (?P<func>\S+)')
+_OWN_FILES = (
+    os.sep + os.path.join("pytest_elastic_timer", ""),
+    os.sep + os.path.join("torch", "distributed", ""),
+)
+
+
+def innermost_frame(stack: str) -> str:
+    """``func at file.py:12``: where a faulthandler dump's main thread is (the thread
+    the dump calls current, else the first), outside this package and torch.distributed."""
+    blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", stack.strip())
+    block = next((b for b in blocks if b.startswith("Current thread")), blocks[0] if blocks else "")
+    for line in block.splitlines():
+        match = _FRAME.match(line)
+        if match and not any(part in match.group("file") for part in _OWN_FILES):
+            name = os.path.basename(match.group("file"))
+            return f"{match.group('func')} at {name}:{match.group('line')}"
+    return ""
+
+
+def _short(site: str) -> str:
+    file, _, line = site.rpartition(":")
+    return f"{os.path.basename(file)}:{line}" if file else site
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def collective_line(collective: Mapping[str, Any], stacks: Mapping[int, str] | None = None) -> str:
+    """One plain line naming the op and the missing ranks, e.g. ``collective all_reduce
+    #3 (group default, 2 ranks): rank 0 waiting 10.0s at train.py:40; rank 1 missing,
+    last completed broadcast #2, now in main at train.py:52``. ``stacks``: a rank's
+    stack dump, for where a rank that is in no op is."""
+    stacks = stacks or {}
+    ranks: Mapping[str, Mapping[str, Any]] = collective.get("ranks") or {}
+    parts: list[str] = []
+    # Ranks waiting at one place (site, time, and op when the ops differ) read as one.
+    by_place: dict[tuple[str, str, str], list[int]] = {}
+    mismatch = collective.get("mismatch")
+    for rank in collective.get("waiting", []):
+        view = ranks.get(str(rank), {})
+        op = f" in {view.get('op')}" if mismatch == "op" else ""
+        site = str(view.get("site", ""))
+        where = f" at {_short(site)}" if site else ""
+        key = (f"{float(view.get('since', 0.0)):.1f}", op, where)
+        by_place.setdefault(key, []).append(rank)
+    for (since, op, where), found in by_place.items():
+        parts.append(f"{_ranks_text(sorted(found))} waiting {since}s{op}{where}")
+    for rank in collective.get("missing", []):
+        view = ranks.get(str(rank), {})
+        state = view.get("state", "none")
+        text = f"rank {rank} missing"
+        if state == "completed":
+            text += f", last completed {view.get('op')} #{view.get('seq')}"
+        elif state == "started":
+            site = view.get("site", "")
+            text += f", in {view.get('op')} #{view.get('seq')}" + (
+                f" at {_short(str(site))}" if site else ""
+            )
+        elif state == "none":
+            text += ", no op recorded"
+        where = innermost_frame(stacks[rank]) if rank in stacks else ""
+        if where and state != "started":
+            text += f", now in {where}"
+        parts.append(text)
+    if mismatch == "shape":
+        shapes = ", ".join(
+            f"rank {r} {ranks.get(str(r), {}).get('shapes')}"
+            for r in sorted(int(k) for k in ranks)
+            if ranks.get(str(r), {}).get("state") != "none"
+        )
+        parts.append(f"shape mismatch: {shapes}")
+    elif mismatch == "op":
+        parts.append("op mismatch at this sequence number")
+    size = len(ranks)
+    head = (
+        f"collective {collective.get('op')} #{collective.get('seq')} "
+        f"(group {collective.get('group')}, {size} rank{'s' if size != 1 else ''})"
+    )
+    return f"{head}: {'; '.join(parts)}"
+
+
+def rank_of_label(label: str) -> int | None:
+    """``"rank 3"`` -> 3 (None for any other label)."""
+    match = re.fullmatch(r"rank (\d+)", label.strip())
+    return int(match.group(1)) if match else None

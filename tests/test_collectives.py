@@ -1,0 +1,498 @@
+"""The collectives ring and its alignment, without torch: unit cases and properties.
+
+Rings are written with :class:`RingWriter` exactly as the recorder writes them (one per
+simulated rank, in a temporary session directory) and read back the way the watchdog
+reads them, so the format and the analysis are tested together.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pytest_elastic_timer.core import collectives as col
+
+NOW = 1000.0
+SITE = b"/work/train.py:40"
+
+
+class Rank:
+    """One simulated rank: its ring, and the sequence numbers the recorder keeps."""
+
+    def __init__(self, directory: Path, rank: int, world: int, *, world_id: str = "w") -> None:
+        self.rank = rank
+        self.writer = col.RingWriter(col.ring_path(str(directory), 10_000 + rank))
+        self.writer.set_rank(rank, world, f"rank {rank}")
+        self.writer.set_text(col.T_WORLD_ID, world_id)
+        self.writer.set_text(col.T_NODEID, "test_x.py::test_y")
+        self.writer.add_group(col.DEFAULT_GROUP, range(world))
+        self.seqs: dict[str, int] = {}
+        self.clock = itertools.count(1)
+
+    def init(self, *, done: bool = True) -> int:
+        serial = self.writer.begin(
+            col.INIT, b"init_process_group", b"default", 0, -1, SITE, b"", 1, 1.0
+        )
+        if done:
+            self.writer.complete(serial, end=2.0)
+        return serial
+
+    def op(
+        self,
+        name: str,
+        *,
+        done: bool = True,
+        group: str = col.DEFAULT_GROUP,
+        tensors: bytes = b"float32[4]",
+        kind: int = col.COLLECTIVE,
+        peer: int = -1,
+        site: bytes = SITE,
+    ) -> int:
+        if kind == col.COLLECTIVE:
+            seq = self.seqs[group] = self.seqs.get(group, 0) + 1
+        else:
+            key = f"{group}/{kind}/{peer}"
+            seq = self.seqs[key] = self.seqs.get(key, 0) + 1
+        start = 10.0 + next(self.clock)
+        serial = self.writer.begin(
+            kind, name.encode(), group.encode(), seq, peer, site, tensors, 1, start
+        )
+        if done:
+            self.writer.complete(serial, end=start + 0.5)
+        return serial
+
+    def ring(self) -> col.Ring:
+        ring = col.read_ring(self.writer.path)
+        assert ring is not None
+        return ring
+
+
+@pytest.fixture
+def ranks(tmp_path: Path) -> Iterator[Any]:
+    made: list[Rank] = []
+
+    def make(world: int, **kwargs: Any) -> list[Rank]:
+        new = [Rank(tmp_path, r, world, **kwargs) for r in range(world)]
+        made.extend(new)
+        for rank in new:
+            rank.init()
+        return new
+
+    yield make
+    for rank in made:
+        rank.writer.close()
+
+
+def rings(ranks: list[Rank]) -> list[col.Ring]:
+    return [r.ring() for r in ranks]
+
+
+# -- the ring ------------------------------------------------------------------------
+def test_layout_constants() -> None:
+    assert col.ENTRY_SIZE == 512
+    assert struct.pack("<Q", col.MAGIC) == b"PETCOL01"
+    assert col.FILE_SIZE == col.HEADER_SIZE + col.GROUPS_SIZE + col.CAPACITY * 512
+
+
+def test_a_ring_reads_back_what_its_process_wrote(tmp_path: Path) -> None:
+    writer = col.RingWriter(col.ring_path(str(tmp_path), os.getpid()))
+    try:
+        writer.set_rank(3, 4, "rank 3")
+        writer.set_text(col.T_NODEID, "test_a.py::test_b")
+        writer.set_text(col.T_WORLD_ID, "tcp://127.0.0.1:29500")
+        writer.add_group("default", range(4))
+        writer.add_group("5", [1, 3])
+        first = writer.begin(
+            col.COLLECTIVE, b"all_reduce", b"5", 1, -1, SITE, b"float32[2,3]", 7, 5.0
+        )
+        second = writer.begin(col.SEND, b"send", b"default", 1, 0, SITE, b"int64[1]", 7, 6.0)
+        writer.complete(first, end=5.5)
+        ring = col.read_ring(writer.path)
+    finally:
+        writer.close()
+    assert ring is not None
+    assert (ring.pid, ring.rank, ring.world, ring.label) == (os.getpid(), 3, 4, "rank 3")
+    assert (ring.nodeid, ring.world_id) == ("test_a.py::test_b", "tcp://127.0.0.1:29500")
+    assert ring.groups == {"default": [0, 1, 2, 3], "5": [1, 3]}
+    assert ring.starttime == col.process_starttime(os.getpid()) > 0
+    assert not ring.exited
+    done, sending = ring.entries
+    assert (done.serial, done.op, done.group, done.seq, done.state) == (
+        first,
+        "all_reduce",
+        "5",
+        1,
+        col.COLLECTIVE + 2,
+    )
+    assert (done.start, done.end, done.site, done.shapes, done.dtypes) == (
+        5.0,
+        5.5,
+        SITE.decode(),
+        [[2, 3]],
+        ["float32"],
+    )
+    assert (sending.serial, sending.kind, sending.peer, sending.started) == (
+        second,
+        col.SEND,
+        0,
+        True,
+    )
+    assert sending.describe() == "send #1 to rank 0"
+    assert ring.blocked() == sending and ring.last() == sending
+
+
+def test_a_ring_keeps_the_last_capacity_ops(tmp_path: Path) -> None:
+    writer = col.RingWriter(col.ring_path(str(tmp_path), os.getpid()))
+    try:
+        for seq in range(1, col.CAPACITY + 11):
+            serial = writer.begin(
+                col.COLLECTIVE, b"all_reduce", b"default", seq, -1, SITE, b"", 1, float(seq)
+            )
+            writer.complete(serial, end=seq + 0.1)
+        ring = col.read_ring(writer.path)
+    finally:
+        writer.close()
+    assert ring is not None
+    assert [e.seq for e in ring.entries] == list(range(11, col.CAPACITY + 11))
+
+
+def test_a_completion_for_a_reused_entry_is_dropped(tmp_path: Path) -> None:
+    """An async op's work completing on another thread after its entry was reused
+    must not mark the newer op completed."""
+    writer = col.RingWriter(col.ring_path(str(tmp_path), os.getpid()), capacity=2)
+    try:
+        old = writer.begin(col.COLLECTIVE, b"all_reduce", b"default", 1, -1, SITE, b"", 1, 1.0)
+        writer.begin(col.COLLECTIVE, b"broadcast", b"default", 2, -1, SITE, b"", 1, 2.0)
+        newer = writer.begin(col.COLLECTIVE, b"barrier", b"default", 3, -1, SITE, b"", 1, 3.0)
+        writer.complete(old)
+        ring = col.read_ring(writer.path)
+    finally:
+        writer.close()
+    assert ring is not None
+    assert [(e.serial, e.started) for e in ring.entries] == [(2, True), (newer, True)]
+
+
+def test_a_torn_entry_is_skipped(tmp_path: Path) -> None:
+    writer = col.RingWriter(col.ring_path(str(tmp_path), os.getpid()))
+    try:
+        writer.begin(col.COLLECTIVE, b"all_reduce", b"default", 1, -1, SITE, b"", 1, 1.0)
+        writer.begin(col.COLLECTIVE, b"all_reduce", b"default", 2, -1, SITE, b"", 1, 2.0)
+        writer.entry_words[0] = 0  # the first entry's first word: being rewritten
+        ring = col.read_ring(writer.path)
+    finally:
+        writer.close()
+    assert ring is not None and [e.seq for e in ring.entries] == [2]
+
+
+def test_anything_else_is_not_a_ring(tmp_path: Path) -> None:
+    other = tmp_path / f"{col.PREFIX}1-x"
+    other.write_bytes(b"\0" * col.FILE_SIZE)
+    assert col.read_ring(str(other)) is None
+    other.write_bytes(b"short")
+    assert col.read_ring(str(other)) is None
+    assert col.read_ring(str(tmp_path / "missing")) is None
+
+
+def test_process_liveness_by_pid_and_start_time() -> None:
+    me = os.getpid()
+    started = col.process_starttime(me)
+    assert col.process_alive(me, started)
+    assert not col.process_alive(me, started + 1)  # a later process with this pid
+    assert not col.process_alive(2**22 + 1, 0)
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["float32", "int64", "bfloat16", "complex64"]),
+            st.lists(st.integers(min_value=0, max_value=10**6), max_size=5).map(tuple),
+        ),
+        max_size=12,
+    )
+)
+def test_tensor_descriptions_round_trip_or_cut_at_a_whole_tensor(items: list[Any]) -> None:
+    text = col.encode_tensors(items)
+    assert len(text) <= 160
+    decoded = col.decode_tensors(text.decode())
+    assert decoded == [(d, list(s)) for d, s in items[: len(decoded)]]
+
+
+# -- alignment: cases ----------------------------------------------------------------
+def test_nothing_to_align_when_no_rank_is_inside_an_op(ranks: Any) -> None:
+    zero, one = ranks(2)
+    zero.op("all_reduce")
+    one.op("all_reduce")
+    assert col.align(rings([zero, one]), NOW) is None
+
+
+def test_a_rank_that_never_reaches_all_reduce_is_missing(ranks: Any) -> None:
+    zero, one = ranks(2)
+    for rank in (zero, one):
+        rank.op("all_reduce")
+        rank.op("broadcast")
+    zero.op("all_reduce", done=False)
+    found = col.align(rings([zero, one]), NOW)
+    assert found is not None
+    assert {k: found[k] for k in ("group", "seq", "op", "waiting", "missing", "mismatch")} == {
+        "group": "default",
+        "seq": 3,
+        "op": "all_reduce",
+        "waiting": [0],
+        "missing": [1],
+        "mismatch": None,
+    }
+    waiting, missing = found["ranks"]["0"], found["ranks"]["1"]
+    assert waiting == {
+        "op": "all_reduce",
+        "seq": 3,
+        "state": "started",
+        "site": SITE.decode(),
+        "shapes": [[4]],
+        "since": pytest.approx(NOW - waiting_start(zero)),
+    }
+    assert (missing["op"], missing["seq"], missing["state"]) == ("broadcast", 2, "completed")
+    line = col.collective_line(found, {1: STACK})
+    assert line.startswith("collective all_reduce #3 (group default, 2 ranks): rank 0 waiting ")
+    assert (
+        "at train.py:40; rank 1 missing, last completed broadcast #2, now in serve at train.py:52"
+        in line
+    )
+
+
+def waiting_start(rank: Rank) -> float:
+    blocked = rank.ring().blocked()
+    assert blocked is not None
+    return blocked.start
+
+
+STACK = """\
+Thread 0x00007f0000000001 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 320 in wait
+
+Current thread 0x00007f0000000002 (most recent call first):
+  File "/work/train.py", line 52 in serve
+  File "/work/train.py", line 60 in main
+"""
+
+
+def test_the_innermost_frame_of_the_current_thread() -> None:
+    assert col.innermost_frame(STACK) == "serve at train.py:52"
+    inside = STACK.replace(
+        '  File "/work/train.py", line 52',
+        '  File "/x/torch/distributed/distributed_c10d.py", line 9 in all_reduce\n'
+        '  File "/work/train.py", line 52',
+    )
+    assert col.innermost_frame(inside) == "serve at train.py:52"
+    assert col.innermost_frame("") == ""
+
+
+def test_ranks_in_different_ops_at_one_sequence_number_are_an_op_mismatch(ranks: Any) -> None:
+    zero, one = ranks(2)
+    zero.op("broadcast")
+    one.op("broadcast")
+    zero.op("all_reduce", done=False)
+    one.op("broadcast", done=False)
+    found = col.align(rings([zero, one]), NOW)
+    assert found is not None
+    assert (found["seq"], found["op"], found["waiting"], found["missing"], found["mismatch"]) == (
+        2,
+        "all_reduce",
+        [0, 1],
+        [],
+        "op",
+    )
+    assert (found["ranks"]["1"]["op"], found["ranks"]["1"]["seq"]) == ("broadcast", 2)
+    line = col.collective_line(found)
+    assert "rank 0 waiting" in line and "in all_reduce" in line and "in broadcast" in line
+    assert line.endswith("op mismatch at this sequence number")
+
+
+def test_one_op_with_different_shapes_is_a_shape_mismatch(ranks: Any) -> None:
+    zero, one, two = ranks(3)
+    zero.op("all_reduce", done=False, tensors=b"float32[4]")
+    one.op("all_reduce", done=False, tensors=b"float32[5]")
+    found = col.align(rings([zero, one, two]), NOW)
+    assert found is not None
+    assert (found["waiting"], found["missing"], found["mismatch"]) == ([0, 1], [2], "shape")
+    assert found["ranks"]["2"]["state"] == "completed"  # its init
+    assert "rank 0 [[4]], rank 1 [[5]]" in col.collective_line(found)
+
+
+def test_shapes_may_differ_where_the_op_allows_it(ranks: Any) -> None:
+    zero, one = ranks(2)
+    zero.op("gather", done=False, tensors=b"float32[4];float32[4];float32[4]")
+    one.op("gather", done=False, tensors=b"float32[4]")
+    found = col.align(rings([zero, one]), NOW)
+    assert found is not None and found["mismatch"] is None
+
+
+def test_a_rank_without_a_ring_is_missing_with_no_op(ranks: Any) -> None:
+    zero, one, _ = ranks(3)
+    zero.op("barrier", done=False, tensors=b"")
+    one.op("barrier", done=False, tensors=b"")
+    found = col.align(rings([zero, one]), NOW)
+    assert found is not None
+    assert (found["waiting"], found["missing"]) == ([0, 1], [2])
+    assert found["ranks"]["2"] == {
+        "op": "",
+        "seq": 0,
+        "state": "none",
+        "site": "",
+        "shapes": [],
+        "since": 0.0,
+    }
+    assert "ranks 0, 1 waiting" in col.collective_line(
+        found
+    ) or "rank 0 waiting" in col.collective_line(found)
+    assert "rank 2 missing, no op recorded" in col.collective_line(found)
+
+
+def test_a_rank_stuck_in_the_rendezvous(tmp_path: Path) -> None:
+    zero = Rank(tmp_path, 0, 2)
+    try:
+        zero.init(done=False)
+        found = col.align([zero.ring()], NOW)
+    finally:
+        zero.writer.close()
+    assert found is not None
+    assert (found["op"], found["seq"], found["waiting"], found["missing"]) == (
+        "init_process_group",
+        0,
+        [0],
+        [1],
+    )
+
+
+def test_subgroups_count_their_own_sequence_numbers(ranks: Any) -> None:
+    zero, one, two = ranks(3)
+    for rank in (zero, one, two):
+        rank.writer.add_group("1", [0, 2])
+    for rank in (zero, one, two):
+        rank.op("all_reduce")
+    zero.op("all_reduce", group="1", done=False)
+    one.op("all_reduce", done=False)  # the world's #2: never joined by the others
+    found = col.align(rings([zero, one, two]), NOW)
+    assert found is not None
+    assert (found["group"], found["seq"], found["waiting"], found["missing"]) == ("1", 1, [0], [2])
+    assert set(found["ranks"]) == {"0", "2"}
+
+
+def test_a_recv_whose_sender_never_sent(ranks: Any) -> None:
+    zero, one = ranks(2)
+    one.op("recv", kind=col.RECV, peer=0)
+    zero.op("send", kind=col.SEND, peer=1)
+    one.op("recv", kind=col.RECV, peer=0, done=False)
+    found = col.align(rings([zero, one]), NOW)
+    assert found is not None
+    assert (found["op"], found["seq"], found["waiting"], found["missing"]) == ("recv", 2, [1], [0])
+    assert (found["ranks"]["0"]["op"], found["ranks"]["0"]["seq"]) == ("send", 1)
+
+
+def test_a_rank_that_made_a_new_world_counts_from_its_new_init(ranks: Any) -> None:
+    zero, one = ranks(2)
+    for rank in (zero, one):
+        rank.op("all_reduce")
+        rank.op("all_reduce")
+        rank.init()  # destroy_process_group, then a new init_process_group
+        rank.seqs.clear()
+    zero.op("all_reduce", done=False)
+    found = col.align(rings([zero, one]), NOW)
+    assert found is not None
+    assert (found["seq"], found["missing"]) == (1, [1])
+    assert found["ranks"]["1"]["op"] == "init_process_group"
+
+
+def test_the_world_of_a_rank_comes_from_the_rings_of_its_test(ranks: Any, tmp_path: Path) -> None:
+    zero, one = ranks(2)
+    (tmp_path / "stale").mkdir()
+    stale = Rank(tmp_path / "stale", 1, 2)  # a rank 1 of another test on the same port
+    stale.writer.set_text(col.T_NODEID, "test_x.py::test_other")
+    other_world = ranks(2, world_id="elsewhere")
+    try:
+        found = col.world_of([zero.ring()], [one.ring(), stale.ring(), *rings(other_world)])
+    finally:
+        stale.writer.close()
+    assert [(r.rank, r.path) for r in found] == [(0, zero.writer.path), (1, one.writer.path)]
+
+
+# -- alignment: properties -----------------------------------------------------------
+OPS = st.sampled_from(["all_reduce", "broadcast", "all_gather", "barrier", "reduce_scatter"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    world=st.integers(min_value=2, max_value=6),
+    program=st.lists(OPS, min_size=1, max_size=12),
+    data=st.data(),
+)
+def test_a_hang_in_a_correct_program_names_who_waits_and_who_is_missing(
+    tmp_path_factory: pytest.TempPathFactory, world: int, program: list[str], data: Any
+) -> None:
+    """All ranks run the same program; every rank got as far as op ``stop``, some went
+    into it and wait there, the others are somewhere else. The alignment names op
+    ``stop`` and exactly those two sets of ranks, with no mismatch."""
+    stop = data.draw(st.integers(min_value=0, max_value=len(program) - 1))
+    arrived = data.draw(
+        st.sets(st.integers(min_value=0, max_value=world - 1), min_size=1, max_size=world - 1)
+    )
+    directory = tmp_path_factory.mktemp("rings")
+    sim = [Rank(directory, r, world) for r in range(world)]
+    try:
+        for rank in sim:
+            rank.init()
+            for name in program[:stop]:
+                rank.op(name)
+            if rank.rank in arrived:
+                rank.op(program[stop], done=False)
+        found = col.align(rings(sim), NOW)
+    finally:
+        for rank in sim:
+            rank.writer.close()
+    assert found is not None
+    assert (found["op"], found["seq"], found["group"]) == (program[stop], stop + 1, "default")
+    assert found["waiting"] == sorted(arrived)
+    assert found["missing"] == sorted(set(range(world)) - arrived)
+    assert found["mismatch"] is None
+    assert sorted(found["ranks"], key=int) == [str(r) for r in range(world)]
+    for rank in found["missing"]:
+        view = found["ranks"][str(rank)]
+        assert view["state"] == "completed"
+        assert (view["op"], view["seq"]) == (
+            (program[stop - 1], stop) if stop else ("init_process_group", 0)
+        )
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    world=st.integers(min_value=2, max_value=5),
+    ops=st.lists(OPS, min_size=2, max_size=5, unique=True),
+    data=st.data(),
+)
+def test_ranks_blocked_in_different_ops_at_one_number_are_always_an_op_mismatch(
+    tmp_path_factory: pytest.TempPathFactory, world: int, ops: list[str], data: Any
+) -> None:
+    choice = [data.draw(st.sampled_from(ops)) for _ in range(world)]
+    if len(set(choice)) == 1:
+        choice[0] = next(op for op in ops if op != choice[1])
+    directory = tmp_path_factory.mktemp("rings")
+    sim = [Rank(directory, r, world) for r in range(world)]
+    try:
+        for rank in sim:
+            rank.init()
+            rank.op("all_reduce")
+            rank.op(choice[rank.rank], done=False)
+        found = col.align(rings(sim), NOW)
+    finally:
+        for rank in sim:
+            rank.writer.close()
+    assert found is not None
+    assert (found["seq"], found["mismatch"], found["missing"]) == (2, "op", [])
+    assert found["waiting"] == list(range(world))
