@@ -32,6 +32,7 @@ BENCHMARKS = {
     "watchdog_load": "4. Watchdog idle CPU, throughput and memory",
     "load": "5. Many processes with nested scopes and expiries",
     "startup": "6. Start-up: a one-test session",
+    "collectives": "7. Collectives recorder: cost per op",
 }
 TIMEOUTS = {
     "scope_cost": 300,
@@ -40,6 +41,7 @@ TIMEOUTS = {
     "watchdog_load": 300,
     "load": 300,
     "startup": 300,
+    "collectives": 300,
 }
 RESULTS = os.path.join(common.BENCH_DIR, "results")
 DOCS = os.path.join(common.REPO, "docs", "benchmarks.md")

@@ -10,6 +10,8 @@ from __future__ import annotations
 import itertools
 import os
 import struct
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +31,9 @@ class Rank:
 
     def __init__(self, directory: Path, rank: int, world: int, *, world_id: str = "w") -> None:
         self.rank = rank
+        # A pid of its own in the file name and the header, as separate processes have.
         self.writer = col.RingWriter(col.ring_path(str(directory), 10_000 + rank))
+        self.writer.words[col.H_PID] = 10_000 + rank
         self.writer.set_rank(rank, world, f"rank {rank}")
         self.writer.set_text(col.T_WORLD_ID, world_id)
         self.writer.set_text(col.T_NODEID, "test_x.py::test_y")
@@ -496,3 +500,113 @@ def test_ranks_blocked_in_different_ops_at_one_number_are_always_an_op_mismatch(
     assert found is not None
     assert (found["seq"], found["mismatch"], found["missing"]) == (2, "op", [])
     assert found["waiting"] == list(range(world))
+
+
+# -- what the watchdog, the plugin and the trace take from the rings -----------------
+def test_the_collective_of_an_expiry_comes_from_its_processes_and_their_world(
+    ranks: Any, tmp_path: Path
+) -> None:
+    """The owner of the expired scope is rank 0 alone (under mp.spawn the other rank
+    is its sibling): rank 1's ring is found by the world they share."""
+    zero, _ = ranks(2)
+    zero.op("all_reduce", done=False)
+    owner = zero.ring().pid
+    found = col.collective_for(str(tmp_path), [owner], NOW)
+    assert found is not None and (found["waiting"], found["missing"]) == ([0], [1])
+    assert col.collective_for(str(tmp_path), [424242], NOW) is None  # no ring: not a rank
+    assert col.labels(str(tmp_path), [owner]) == {owner: "rank 0"}
+
+
+def test_a_record_with_a_collective_matches_the_schema_and_says_it_in_one_line(
+    ranks: Any,
+) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    from pytest_elastic_timer.ci import reports as ci_reports
+    from pytest_elastic_timer.core import records
+
+    zero, one = ranks(2)
+    one.op("broadcast")
+    zero.op("broadcast")
+    zero.op("all_reduce", done=False, tensors=b"float32[4];int64[2,2]")
+    record = records.ExpiryRecord(
+        nodeid="test_x.py::test_y",
+        scope="allreduce",
+        budget=2.0,
+        elapsed=3.0,
+        pid=zero.ring().pid,
+        label="rank 0",
+        worker="",
+        file="/work/train.py",
+        line=40,
+        action="terminated",
+        stack="",
+        children=[{"pid": 7, "label": "rank 1", "stack": STACK}],
+        collective=col.align(rings([zero, one]), NOW),
+    )
+    report = {"version": 1, "expired": [record.to_json()], "session": SESSION}
+    jsonschema.Draft202012Validator(ci_reports.report_schema()).validate(report)
+    assert record.to_json()["collective"]["ranks"]["0"]["shapes"] == [[4], [2, 2]]
+    text = records.format_record(record)
+    (line,) = [s for s in text.splitlines() if s.startswith("  collective ")]
+    assert line.startswith("  collective all_reduce #2 (group default, 2 ranks): rank 0 waiting ")
+    assert line.endswith(
+        "at train.py:40; rank 1 missing, last completed broadcast #1, now in serve at train.py:52"
+    )
+    record.collective = None
+    assert "collective" not in record.to_json()
+    assert "collective" not in records.format_record(record)
+    assert records.ExpiryRecord.from_json(record.to_json()).collective is None
+
+
+SESSION = {
+    "pid": 1,
+    "started": 0.0,
+    "ended": 1.0,
+    "workers": [],
+    "expires": 0,
+    "grace": 2.0,
+    "scale": 1.0,
+    "root_died": False,
+    "host": "h",
+}
+
+
+def dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_a_rank_that_died_in_an_op_is_told_apart_from_one_that_exited(ranks: Any) -> None:
+    zero, one = ranks(2)
+    for rank in (zero, one):
+        rank.op("all_reduce")
+        rank.writer.set_text(col.T_NODEID, "test_x.py::test_died")
+    zero.op("all_reduce", done=False, tensors=b"float32[4]")
+    one.op("all_reduce", done=False, tensors=b"float32[1000]")
+    zero.writer.words[col.H_PID] = dead_pid()  # aborted by gloo: no normal exit
+    one.writer.words[col.H_PID] = dead_pid()
+    one.writer.mark_exited()
+    found = col.rings_of_test(str(zero.ring().path.rsplit("/", 1)[0]), "test_x.py::test_died")
+    assert [r.rank for r in found] == [0, 1]
+    assert [col.died_in_an_op(r) for r in found] == [True, False]
+    text = col.ranks_text(found, NOW).splitlines()
+    assert text[0].startswith(
+        f"rank 0, pid {found[0].pid} (died): in all_reduce #2 (group default) for "
+    )
+    assert text[0].endswith("at train.py:40, float32[4]; last completed all_reduce #1")
+    assert text[1].startswith(f"rank 1, pid {found[1].pid} (exited): in all_reduce #2")
+    assert "shape mismatch: rank 0 [[4]], rank 1 [[1000]]" in text[2]
+
+
+def test_every_recorded_op_is_a_trace_event(ranks: Any) -> None:
+    zero, _ = ranks(2)
+    zero.op("all_reduce")
+    zero.op("broadcast", done=False)
+    events = col.trace_events([zero.ring()])
+    assert [(e["name"], e["state"], e["end"] is None) for e in events] == [
+        ("init_process_group #0", "completed", False),
+        ("all_reduce #1", "completed", False),
+        ("broadcast #2", "started", True),
+    ]
+    assert {e["label"] for e in events} == {"rank 0"}

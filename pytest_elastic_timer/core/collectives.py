@@ -629,3 +629,110 @@ def rank_of_label(label: str) -> int | None:
     """``"rank 3"`` -> 3 (None for any other label)."""
     match = re.fullmatch(r"rank (\d+)", label.strip())
     return int(match.group(1)) if match else None
+
+
+# -- what the other sides ask of the rings ------------------------------------------
+def newest_per_pid(rings: Iterable[Ring]) -> list[Ring]:
+    """One ring per pid, the newest (a pid reused in the session leaves older ones)."""
+    chosen: dict[int, Ring] = {}
+    for ring in rings:
+        known = chosen.get(ring.pid)
+        if known is None or ring.created > known.created:
+            chosen[ring.pid] = ring
+    return list(chosen.values())
+
+
+def collective_for(directory: str, pids: Iterable[int], now: float) -> dict[str, Any] | None:
+    """The ``collective`` field for an expiry whose owner and descendants are ``pids``:
+    their rings, with every ring of the same world (the rank that owns a scope is not
+    the parent of the other ranks, and a rank that died is nobody's child), aligned."""
+    seeds = [r for r in newest_per_pid(read_rings(ring_paths(directory, pids))) if r.rank >= 0]
+    if not seeds:
+        return None
+    others = read_rings(ring_paths(directory)) if any(r.world_id for r in seeds) else []
+    return align(world_of(seeds, others), now)
+
+
+def labels(directory: str, pids: Iterable[int]) -> dict[int, str]:
+    """``rank N`` of each of ``pids`` that called init_process_group (by its ring)."""
+    return {
+        r.pid: r.label for r in newest_per_pid(read_rings(ring_paths(directory, pids))) if r.label
+    }
+
+
+def rings_of_test(directory: str, nodeid: str) -> list[Ring]:
+    """The rings of the processes a test started (their ``PYTEST_CURRENT_TEST``), one
+    per rank of the newest world, ordered by rank."""
+    found = [r for r in read_rings(ring_paths(directory)) if r.nodeid == nodeid and r.rank >= 0]
+    chosen: dict[int, Ring] = {}
+    for ring in found:
+        known = chosen.get(ring.rank)
+        if known is None or ring.created > known.created:
+            chosen[ring.rank] = ring
+    return [chosen[rank] for rank in sorted(chosen)]
+
+
+def died_in_an_op(ring: Ring) -> bool:
+    """The process ended without exiting (killed, aborted) while inside an op."""
+    return (
+        not ring.exited
+        and ring.blocked() is not None
+        and not process_alive(ring.pid, ring.starttime)
+    )
+
+
+def ranks_text(rings: list[Ring], now: float) -> str:
+    """What each rank was in when the test failed, for a failure section: one line per
+    rank (its op in progress or its last op), then the alignment's line."""
+    lines = []
+    for ring in rings:
+        if process_alive(ring.pid, ring.starttime):
+            status = "running"
+        else:
+            status = "exited" if ring.exited else "died"
+        head = f"rank {ring.rank}, pid {ring.pid} ({status})"
+        blocked, last = ring.blocked(), ring.last()
+        if blocked is not None:
+            text = f"{head}: in {blocked.describe()} (group {blocked.group}) for "
+            text += f"{max(0.0, now - blocked.start):.1f}s at {_short(blocked.site)}"
+            if blocked.tensors:
+                text += f", {blocked.tensors.replace(';', ', ')}"
+            done = [e for e in ring.current() if not e.started]
+            if done:
+                text += f"; last completed {done[-1].describe()}"
+        elif last is not None:
+            text = f"{head}: no op in progress; last completed {last.describe()}"
+        else:
+            text = f"{head}: no op recorded"
+        lines.append(text)
+    collective = align(rings, now)
+    if collective is not None:
+        lines.append(collective_line(collective))
+    return "\n".join(lines)
+
+
+def trace_events(rings: Iterable[Ring]) -> list[dict[str, Any]]:
+    """Every recorded op of ``rings`` as a plain event for the trace timeline: pid,
+    rank label, thread, name (``all_reduce #3``), start and end (None: never ended),
+    and what the op was."""
+    events: list[dict[str, Any]] = []
+    for ring in rings:
+        for entry in ring.entries:
+            events.append(
+                {
+                    "pid": ring.pid,
+                    "label": ring.label,
+                    "worker": ring.worker,
+                    "tid": entry.thread,
+                    "name": entry.describe(),
+                    "start": entry.start,
+                    "end": entry.end if not entry.started and entry.end else None,
+                    "op": entry.op,
+                    "group": entry.group,
+                    "seq": entry.seq,
+                    "state": STATE_NAMES.get(entry.state, "started"),
+                    "site": entry.site,
+                    "tensors": entry.tensors,
+                }
+            )
+    return events

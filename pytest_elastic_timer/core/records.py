@@ -14,6 +14,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pytest_elastic_timer.core import collectives
+
 REPORT_VERSION = 1
 ACTIONS = ("interrupted", "terminated", "killed")
 
@@ -40,6 +42,9 @@ class ExpiryRecord:
     ended: float = 0.0
     serial: int = 0
     host: str = ""  # where the owner ran; "" on the controller's host
+    # The torch.distributed collective the ranks concerned block in (see
+    # core/collectives.align); None when no rank is inside one.
+    collective: dict[str, Any] | None = None
 
     def line_text(self) -> str:
         """The one-line summary shared by every report of this expiry."""
@@ -65,7 +70,22 @@ class ExpiryRecord:
         return (self.host, self.pid, self.serial)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        if data["collective"] is None:
+            del data["collective"]  # a record has it only when ranks were in a collective
+        return data
+
+    def rank_stacks(self) -> dict[int, str]:
+        """The stacks of the ranks among the owner and its children, by global rank."""
+        stacks: dict[int, str] = {}
+        for label, stack in (
+            (self.label, self.stack),
+            *((str(c.get("label", "")), str(c.get("stack", ""))) for c in self.children),
+        ):
+            rank = collectives.rank_of_label(label)
+            if rank is not None and stack:
+                stacks.setdefault(rank, stack)
+        return stacks
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ExpiryRecord:
@@ -144,6 +164,8 @@ def format_record(record: ExpiryRecord, *, with_stack: bool = True) -> str:
             else f"  entered: {record.file}"
         )
     lines.append(f"  process: {record.owner_text()}")
+    if record.collective:
+        lines.append("  " + collectives.collective_line(record.collective, record.rank_stacks()))
     if record.phase and not record.nodeid:
         lines.append(f"  phase:   {record.phase}")
     if record.killed:

@@ -113,11 +113,12 @@ class Recorder:
         self.groups: dict[Any, bytes] = {}
         self.seqs: dict[bytes, int] = {}
         self.p2p: dict[tuple[bytes, int, int], int] = {}
-        self.sites: dict[tuple[CodeType, int], bytes] = {}
+        self.sites: dict[tuple[int, int], tuple[CodeType, bytes]] = {}
         self.skip: dict[str, bool] = {}
         self.tensor_texts: dict[tuple[Any, ...], bytes] = {}
         self.dtypes: dict[Any, str] = {}
-        self.ops: dict[str, bytes] = {}
+        torch = sys.modules.get("torch")
+        self.tensor_type: type = getattr(torch, "Tensor", None) or type(None)
 
     # -- the ring ---------------------------------------------------------------------
     def writer(self) -> ring_format.RingWriter | None:
@@ -192,25 +193,31 @@ class Recorder:
             if skipped is None:
                 skipped = skip[filename] = _is_torch_distributed(filename)
             if not skipped:
-                key = (code, frame.f_lineno)
-                text = self.sites.get(key)
-                if text is None:
-                    text = self.sites[key] = f"{filename}:{key[1]}".encode()[-200:]
+                # Keyed by the code's id and the bytecode offset: hashing a code
+                # object hashes all of its contents, and f_lineno walks its line
+                # table, every time.
+                key = (id(code), frame.f_lasti)
+                known = self.sites.get(key)
+                if known is not None and known[0] is code:
+                    return known[1]
+                text = f"{filename}:{frame.f_lineno}".encode()[-200:]
+                self.sites[key] = (code, text)
                 return text
             frame = frame.f_back
         return b""
 
     def tensors(self, values: list[Any]) -> bytes:
+        tensor = self.tensor_type
         found: list[Any] = []
         for value in values:
-            if hasattr(value, "shape") and hasattr(value, "dtype"):
+            if isinstance(value, tensor):
                 found.append(value)
             elif isinstance(value, (list, tuple)):
-                found.extend(v for v in value if hasattr(v, "shape") and hasattr(v, "dtype"))
+                found.extend(v for v in value if isinstance(v, tensor))
         if not found:
             return b""
         del found[MAX_TENSORS:]
-        key = tuple((t.dtype, t.shape) for t in found)
+        key = tuple([(t.dtype, t.shape) for t in found])
         text = self.tensor_texts.get(key)
         if text is None:
             text = self.tensor_texts[key] = ring_format.encode_tensors(
@@ -357,7 +364,9 @@ def _poll() -> None:
             done(None)
 
 
-def _wrap_op(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (torch.distributed's op ``name``, or anything with its signature) with
+    each call recorded while the recorder is on."""
     kind, tensor_params, peer_param, group_peer_param = _OPS[name]
     params = list(inspect.signature(fn).parameters)
 
@@ -375,7 +384,10 @@ def _wrap_op(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def op(*args: Any, **kwargs: Any) -> Any:
         recorder = _recorder
-        if recorder is None or recorder.local.depth:
+        if recorder is None:
+            return fn(*args, **kwargs)
+        local = recorder.local
+        if local.depth:  # inside an op this thread called: counted there
             return fn(*args, **kwargs)
         try:
             group = _param(args, kwargs, group_at, "group")
@@ -387,14 +399,13 @@ def _wrap_op(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
                     if in_group is not None:
                         value = recorder.dist.get_global_rank(group, in_group)
                 peer = -1 if value is None else int(value)
-            tensors = [_param(args, kwargs, i, p) for i, p in tensors_at]
+            tensors = [_param(args, kwargs, i, p) for i, p in tensors_at] if tensors_at else []
             begun = recorder.begin(op_name, kind, group, peer, tensors, sys._getframe(1))
         except Exception:  # not a valid call: torch says why, unrecorded
             begun = None
         if begun is None:
             return fn(*args, **kwargs)
         ring, serial = begun
-        local = recorder.local
         local.depth += 1
         try:
             result = fn(*args, **kwargs)
@@ -530,15 +541,15 @@ def install() -> bool:
     if dist is None or c10d is None or not dist.is_available():
         return False
     wrappers: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
-        name: functools.partial(_wrap_op, name) for name in _OPS
+        name: functools.partial(wrap, name) for name in _OPS
     }
     wrappers["init_process_group"] = _wrap_init
     wrappers["destroy_process_group"] = _wrap_destroy
-    for name, wrap in wrappers.items():
+    for name, make in wrappers.items():
         original = getattr(c10d, name, None)
         if original is None or getattr(original, _MARK, False):
             continue
-        wrapped = wrap(original)
+        wrapped = make(original)
         setattr(c10d, name, wrapped)
         if getattr(dist, name, None) is original:
             setattr(dist, name, wrapped)
