@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,10 @@ import jsonschema
 import pytest
 from helpers import HEADER, LEAN, REPORT_NAME, Session, run, scope_line, wait_gone
 
+from pytest_elastic_timer.ci import github as ci_github
 from pytest_elastic_timer.ci import junit_fallback, trace
-from pytest_elastic_timer.ci import reports as ci_reports
+from pytest_elastic_timer.ci import slow as ci_slow
+from pytest_elastic_timer.ci.reports import report_schema
 from pytest_elastic_timer.core.records import ExpiryRecord
 
 # Inner sessions under xdist: LEAN without "-p no:xdist".
@@ -59,7 +62,7 @@ def line_of(path: Path, text: str) -> int:
 
 
 def validate(data: dict[str, Any]) -> None:
-    jsonschema.Draft202012Validator(ci_reports.report_schema()).validate(data)
+    jsonschema.Draft202012Validator(report_schema()).validate(data)
 
 
 def junit_cases(path: Path) -> dict[str, ET.Element]:
@@ -176,27 +179,84 @@ def test_many():
 )
 
 
-def test_single_process_outputs(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
-    summary = github(monkeypatch, pytester.path)
-    source = pytester.makepyfile(test_ci=SINGLE)
-    pytester.makeini("[pytest]\nelastic_timer_slow = 0.9\n")  # the CLI wins
-    session = run(
-        pytester,
+ODD = "test_odd::call/50%,\nnext: 1"  # test_odd's scope: a comma, a newline, a percent sign
+
+
+@dataclass
+class Outputs:
+    """The single-process session over SINGLE, run once for the tests below."""
+
+    path: Path
+    source: Path
+    session: Session
+    data: dict[str, Any]  # the JSON report
+
+    def record(self, scope: str) -> ExpiryRecord:
+        return record_of(self.data, scope)
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory: pytest.TempPathFactory) -> Outputs:
+    """One session with every output on: JUnit, trace, slow phases (the CLI's fraction
+    wins over the ini file's) and GitHub Actions."""
+    path = tmp_path_factory.mktemp("outputs")
+    source = path / "test_ci.py"
+    source.write_text(SINGLE)
+    (path / "tox.ini").write_text("[pytest]\nelastic_timer_slow = 0.9\n")
+    env = {k: v for k, v in os.environ.items() if k not in INNER_UNSET}
+    env.update(
+        PY_COLORS="0",
+        GITHUB_ACTIONS="true",
+        GITHUB_WORKSPACE=str(path),
+        GITHUB_STEP_SUMMARY=str(path / "step-summary.md"),
+    )
+    args = [
+        *LEAN,
+        f"--basetemp={path / 'basetemp'}",
+        f"--elastic-timer-report={path / REPORT_NAME}",
         "--junitxml=junit.xml",
         "--elastic-timer-trace=trace.json",
         "--elastic-timer-slow=0.4",
+    ]
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", *args],
+        cwd=path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
-    session.assert_clean()
+    seconds = time.monotonic() - started
+    stdout, stderr = proc.stdout, proc.stderr
+    header = next((m for m in map(HEADER.match, stdout.splitlines()) if m), None)
+    watchdog_pid = int(header.group(1)) if header else None
+    if watchdog_pid is not None:
+        wait_gone(watchdog_pid, 5.0)
+    result = pytest.RunResult(proc.returncode, stdout.splitlines(), stderr.splitlines(), seconds)
+    data = json.loads((path / REPORT_NAME).read_text())
+    return Outputs(path, source, Session(result, seconds, stdout, stderr, data, watchdog_pid), data)
+
+
+# The variables an inner session must not inherit from this suite's own session.
+INNER_UNSET = ("PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER", "PYTEST_ELASTIC_TIMER_DUMP_SIGNAL")
+
+
+def test_outcomes_count_timeouts_as_failures_and_errors(outputs: Outputs) -> None:
     # TIMEOUT counts as failed in the call phase (test_odd, test_rank) and as an error in
     # setup or teardown (test_setup's fixture), like any other failure there.
-    session.result.assert_outcomes(failed=2, passed=2, errors=1)
-    data = session.report
-    assert data is not None
+    outputs.session.assert_clean()
+    outputs.session.result.assert_outcomes(failed=2, passed=2, errors=1)
+
+
+def test_json_report_records_every_expired_scope(outputs: Outputs) -> None:
+    data = outputs.data
     validate(data)
-    odd = record_of(data, "test_odd::call/50%,\nnext: 1")
-    setup = record_of(data, "test_setup::setup")
-    child = record_of(data, "child")
-    assert odd.line == line_of(source, "with et.expires(0.3")
+    assert len(data["expired"]) == 14
+    odd = outputs.record(ODD)
+    child = outputs.record("child")
+    outputs.record("test_setup::setup")
+    assert odd.line == line_of(outputs.source, "with et.expires(0.3")
     assert (odd.pid, odd.label) == (data["session"]["pid"], "")
     assert child.owner_text().startswith(f"rank 1, pid {child.pid}")
     assert (child.label, child.nodeid, child.file) == (
@@ -204,10 +264,10 @@ def test_single_process_outputs(pytester: pytest.Pytester, monkeypatch: pytest.M
         "test_ci.py::test_rank",
         "<string>",
     )
-    assert len(data["expired"]) == 14
 
-    # JSON: session facts, slow phases and per-test slowest scopes.
-    facts = data["session"]
+
+def test_json_report_has_session_facts_and_slow_phases(outputs: Outputs) -> None:
+    facts = outputs.data["session"]
     assert facts["exitstatus"] == 1 and facts["slow_fraction"] == 0.4
     assert facts["root_died"] is False
     (slow,) = facts["slow"]
@@ -224,8 +284,9 @@ def test_single_process_outputs(pytester: pytest.Pytester, monkeypatch: pytest.M
         "test_ci.py::test_setup"
     ][0].items()
 
-    # Terminal: SLOW with its share.
-    slow_lines = [line for line in session.lines if line.startswith("SLOW ")]
+
+def test_terminal_lists_the_slow_phase_with_its_share(outputs: Outputs) -> None:
+    slow_lines = [line for line in outputs.session.lines if line.startswith("SLOW ")]
     assert len(slow_lines) == 1, slow_lines
     assert re.fullmatch(
         r"SLOW test_ci\.py::test_slow call: 0\.\d\ds of 1s budget \((4\d|[5-9]\d)%\); "
@@ -233,17 +294,24 @@ def test_single_process_outputs(pytester: pytest.Pytester, monkeypatch: pytest.M
         slow_lines[0],
     ), slow_lines
 
-    # JUnit: the expired tests, parsed.
-    cases = junit_cases(pytester.path / "junit.xml")
-    assert_expired_case(cases["test_ci::test_odd"], odd)
+
+def test_junit_fails_expired_tests_with_the_scope(outputs: Outputs) -> None:
+    cases = junit_cases(outputs.path / "junit.xml")
+    assert_expired_case(cases["test_ci::test_odd"], outputs.record(ODD))
+    setup = outputs.record("test_setup::setup")
     assert_expired_case(cases["test_ci::test_setup"], setup, tag="error")
-    assert_expired_case(cases["test_ci::test_rank"], child)
+    assert_expired_case(cases["test_ci::test_rank"], outputs.record("child"))
     assert "assert 1 == 0" in (cases["test_ci::test_rank"].findtext("failure") or "")
     for name in ("test_slow", "test_many"):
         assert not cases[f"test_ci::{name}"].findall("failure")
 
-    # GitHub Actions: exact annotation lines, escaped, at most 10 and a note of the rest.
-    lines = annotation_lines(session)
+
+def test_github_annotations_are_escaped_and_at_most_ten(outputs: Outputs) -> None:
+    odd = outputs.record(ODD)
+    setup = outputs.record("test_setup::setup")
+    child = outputs.record("child")
+    source = outputs.source
+    lines = annotation_lines(outputs.session)
     assert len(lines) == 11, lines
     assert lines[0] == (
         f"::error file=test_ci.py,line={odd.line},"
@@ -268,8 +336,12 @@ def test_single_process_outputs(pytester: pytest.Pytester, monkeypatch: pytest.M
         "(at most 10 per session); see the job summary or the JSON report"
     )
 
-    # GitHub Actions: the step summary table, every expired scope, then the slow one.
-    table = summary.read_text().splitlines()
+
+def test_github_step_summary_tables_expired_then_slow(outputs: Outputs) -> None:
+    odd = outputs.record(ODD)
+    setup = outputs.record("test_setup::setup")
+    child = outputs.record("child")
+    table = (outputs.path / "step-summary.md").read_text().splitlines()
     assert table[:4] == [
         "### elastic-timer: 14 expired scope(s)",
         "",
@@ -287,8 +359,13 @@ def test_single_process_outputs(pytester: pytest.Pytester, monkeypatch: pytest.M
         re.M,
     )
 
-    # Trace: loads as JSON, one track per process, scopes and expiries.
-    names, slices, instants = trace_parts(pytester.path / "trace.json")
+
+def test_trace_has_a_track_per_process_and_every_expiry(outputs: Outputs) -> None:
+    data = outputs.data
+    facts = data["session"]
+    odd = outputs.record(ODD)
+    child = outputs.record("child")
+    names, slices, instants = trace_parts(outputs.path / "trace.json")
     assert names[facts["pid"]] == f"pytest (pid {facts['pid']})"
     assert names[child.pid] == f"rank 1 (pid {child.pid})"
     paths = {(e["pid"], e["args"]["path"]) for e in slices}
@@ -543,11 +620,11 @@ def record(**fields: Any) -> ExpiryRecord:
 
 
 def test_escaping_follows_githubs_rules() -> None:
-    assert ci_reports.escape_data("100% done\r\nnext: a, b") == "100%25 done%0D%0Anext: a, b"
-    assert ci_reports.escape_property("100% done\r\nnext: a, b") == (
+    assert ci_github.escape_data("100% done\r\nnext: a, b") == "100%25 done%0D%0Anext: a, b"
+    assert ci_github.escape_property("100% done\r\nnext: a, b") == (
         "100%25 done%0D%0Anext%3A a%2C b"
     )
-    assert ci_reports.escape_property("%3A") == "%253A"  # escaped once, not twice
+    assert ci_github.escape_property("%3A") == "%253A"  # escaped once, not twice
 
 
 def test_annotations_cap_and_location(tmp_path: Path) -> None:
@@ -560,7 +637,7 @@ def test_annotations_cap_and_location(tmp_path: Path) -> None:
         record(nodeid="", scope="session", file=str(tmp_path), line=0),
     ]
     locations = {"tests/test_a.py::test_b": ("tests/test_a.py", 0)}
-    lines = ci_reports.github_annotations(found, str(tmp_path), str(tmp_path), locations, limit=2)
+    lines = ci_github.github_annotations(found, str(tmp_path), str(tmp_path), locations, limit=2)
     assert lines == [
         "::error file=tests/test_a.py,line=1,title=elastic-timer%3A a%2Cb%3Ac expired::"
         "scope 'a,b:c' expired after 2.00s (budget 2s): interrupted"
@@ -573,7 +650,7 @@ def test_annotations_cap_and_location(tmp_path: Path) -> None:
         "(at most 2 per session); see the job summary or the JSON report",
     ]
     # No file to point at: an annotation without a location.
-    (session,) = ci_reports.github_annotations(found[2:], str(tmp_path), str(tmp_path))
+    (session,) = ci_github.github_annotations(found[2:], str(tmp_path), str(tmp_path))
     assert session == (
         "::error title=elastic-timer%3A session expired::"
         "scope 'session' expired after 2.00s (budget 2s): interrupted%0Aprocess: pid 42"
@@ -581,8 +658,8 @@ def test_annotations_cap_and_location(tmp_path: Path) -> None:
 
 
 def test_step_summary_escapes_cells() -> None:
-    slow = ci_reports.PhaseTime("t.py::test_x[a|b]", "call", 0.9, 1.0)
-    text = ci_reports.step_summary([record(scope="pipe|`tick`")], [slow], 0.8)
+    slow = ci_slow.PhaseTime("t.py::test_x[a|b]", "call", 0.9, 1.0)
+    text = ci_github.step_summary([record(scope="pipe|`tick`")], [slow], 0.8)
     assert text.splitlines() == [
         "### elastic-timer: 1 expired scope(s)",
         "",
@@ -604,11 +681,11 @@ def test_step_summary_escapes_cells() -> None:
     [(0.9, 1.0), (1.01, 1.5), (1.6, 2.0), (2.5, 3.0), (4, 5.0), (6, 7.5), (8, 10.0), (0.031, 0.05)],
 )
 def test_suggested_budgets_are_round(seconds: float, nice: float) -> None:
-    assert ci_reports.nice_ceil(seconds) == nice
+    assert ci_slow.nice_ceil(seconds) == nice
 
 
 def test_schema_is_a_valid_versioned_json_schema() -> None:
-    schema = ci_reports.report_schema()
+    schema = report_schema()
     jsonschema.Draft202012Validator.check_schema(schema)
     assert schema["properties"]["version"] == {
         "const": 1,

@@ -15,7 +15,8 @@ records into one trace:
 Timestamps are microseconds of ``time.monotonic()`` counted from the first scope.
 Open the file in https://ui.perfetto.dev or ``chrome://tracing``; or render a small
 HTML page with ``python -m pytest_elastic_timer.ci.trace TRACE --html OUT``.
-Nothing here imports pytest.
+Nothing here imports pytest; the plugin registers this module as the implementation
+of its session-end hook when the session is traced.
 """
 
 from __future__ import annotations
@@ -264,6 +265,21 @@ def write(
         f.write("\n")
     os.replace(tmp, target)
     return trace
+
+
+# -- the plugin's hook (registered with --elastic-timer-trace) ---------------------------
+def pytest_elastic_timer_session_end(
+    config: Any, records: list[ExpiryRecord], session: Any
+) -> None:
+    """Write the trace while the session directory still holds the processes' files
+    (``session``: the plugin's :class:`~pytest_elastic_timer.plugin.hookspecs.SessionFacts`)."""
+    if not session.trace:
+        return
+    facts = {"pid": session.pid, "started": session.started, "args": session.args}
+    try:
+        write(session.trace, read_events(session.directory), records, facts)
+    except OSError as exc:
+        sys.stderr.write(f"pytest-elastic-timer: cannot write {session.trace}: {exc}\n")
 
 
 # -- a small HTML page of a trace (docs, and machines without a trace viewer) -----------

@@ -23,9 +23,11 @@ from _pytest._code.code import ReprFileLocation, TerminalRepr
 from _pytest._io import TerminalWriter
 
 from pytest_elastic_timer.core import records
+from pytest_elastic_timer.plugin.state import SESSION, is_worker, records_beside
 from pytest_elastic_timer.scope import client, scopes
 
 ADDRESS_KEY = "elastic_timer_address"
+BUDGETS_KEY = "elastic_timer_budgets"  # a worker's marked tests' budgets, in its output
 SCOPE_PROPERTY = "elastic_timer_scope"
 HARD_ACTIONS = ("terminated", "killed")
 
@@ -78,9 +80,18 @@ def wait_for_record(
 
 
 @pytest.hookimpl(optionalhook=True)
-def pytest_handlecrashitem(crashitem: str, report: pytest.TestReport, sched: Any) -> None:
-    from pytest_elastic_timer.plugin.hooks import SESSION
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """The budgets of a worker's tests that differ from the default (see
+    :func:`pytest_sessionfinish`), for the outputs of slow phases."""
+    output = getattr(node, "workeroutput", None) or {}
+    state = node.config.stash.get(SESSION, None)
+    if state is not None:
+        for nodeid, budgets in dict(output.get(BUDGETS_KEY, {})).items():
+            state.budgets.reported[str(nodeid)] = tuple(budgets)
 
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_handlecrashitem(crashitem: str, report: pytest.TestReport, sched: Any) -> None:
     config: pytest.Config = sched.config
     state = config.stash.get(SESSION, None)
     if state is None or state.watchdog is None:
@@ -178,7 +189,7 @@ def configure_worker(config: pytest.Config) -> None:
     if not address:
         return
     os.environ[client.ENV_ADDRESS] = address
-    config.stash[ENDED] = EndedTests(os.path.join(os.path.dirname(address), "records.jsonl"))
+    config.stash[ENDED] = EndedTests(records_beside(address))
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -190,3 +201,12 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     if setupstate is not None:
         setupstate.teardown_exact(nextitem)
     return True
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A worker hands its tests' budgets that differ from the default (markers) to the
+    controller, with the rest of its output."""
+    output = getattr(session.config, "workeroutput", None)
+    state = session.config.stash.get(SESSION, None)
+    if output is not None and state is not None and is_worker(session.config):
+        output[BUDGETS_KEY] = state.budgets.marked()

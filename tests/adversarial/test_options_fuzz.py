@@ -15,7 +15,8 @@ from helpers import run
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from pytest_elastic_timer.plugin import hooks as plugin
+from pytest_elastic_timer.core.seconds import parse_seconds
+from pytest_elastic_timer.plugin.budgets import MARKER_KEYWORDS, parse_marker
 
 NODEID = "test_m.py::test_m"
 WHERE = f"{NODEID}: @pytest.mark.expires"
@@ -57,7 +58,7 @@ def mentions(message: str, value: Any) -> bool:
 @given(raw=st.one_of(st.text(max_size=20), st.floats(), st.integers(), st.booleans(), st.none()))
 def test_parse_seconds_returns_a_finite_number_or_names_the_value(raw: Any) -> None:
     try:
-        value = plugin.parse_seconds(raw, "--expires")
+        value = parse_seconds(raw, "--expires")
     except ValueError as exc:
         assert str(exc).startswith("--expires must be ")
         assert mentions(str(exc), raw), str(exc)
@@ -80,7 +81,7 @@ def test_a_bad_marker_value_is_a_value_error_naming_it(where: str, bad: tuple[st
     else:
         args, kwargs = (1,), {where: value}
     with pytest.raises(ValueError) as caught:
-        plugin._parse_marker(NODEID, args, kwargs)
+        parse_marker(NODEID, args, kwargs)
     message = str(caught.value)
     assert message.startswith(WHERE)
     assert mentions(message, value), message
@@ -98,11 +99,11 @@ def test_a_bad_marker_value_is_a_value_error_naming_it(where: str, bad: tuple[st
 def test_marker_shapes_are_parsed_or_named(args: list[Any], kwargs: dict[str, Any]) -> None:
     """Any shape of arguments: parsed budgets, or an error that says what is wrong."""
     try:
-        budgets = plugin._parse_marker(NODEID, tuple(args), kwargs)
+        budgets = parse_marker(NODEID, tuple(args), kwargs)
     except ValueError as exc:
         message = str(exc)
         assert message.startswith(WHERE)
-        unknown = sorted(set(kwargs) - set(plugin.MARKER_KEYWORDS))
+        unknown = sorted(set(kwargs) - set(MARKER_KEYWORDS))
         if unknown:
             assert repr(unknown[0]) in message
         elif len(args) > 1:

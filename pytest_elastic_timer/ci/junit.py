@@ -1,0 +1,109 @@
+"""JUnit XML (``--junitxml``): the testcase of a test that expired scopes failed -- its
+own, or one of a process it started (a rank) -- reads as a timeout. Once pytest's
+junitxml wrote its file, :func:`fix_junit` gives the test's ``<failure>`` (or
+``<error>``) the type ``pytest_elastic_timer.ScopeExpired``, the scope line as message
+and first line of its text, and the scope's properties (pytest writes a call report's
+properties only in some cases, and none for a crashed xdist worker). When pytest is
+killed, the watchdog writes the file instead: :mod:`.junit_fallback`.
+
+Registered in the controller (or only process) of a session run with ``--junitxml``;
+it implements the plugin's hooks (:mod:`..plugin.hookspecs`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from pytest_elastic_timer.ci import junit_fallback
+from pytest_elastic_timer.ci.junit_fallback import FAILURE_TYPE
+from pytest_elastic_timer.core.records import ExpiryRecord
+
+EXPIRED = pytest.StashKey[dict[str, list[ExpiryRecord]]]()
+
+
+def _junit_names(nodeid: str, prefix: str | None) -> tuple[str, str]:
+    try:  # pytest's own spelling where it has one
+        from _pytest.junitxml import mangle_test_address
+
+        names = mangle_test_address(nodeid)
+        classnames = [prefix, *names[:-1]] if prefix else names[:-1]
+        return ".".join(classnames), names[-1]
+    except Exception:
+        return junit_fallback.testcase_names(nodeid, prefix)
+
+
+def fix_junit(path: str, expired: dict[str, list[ExpiryRecord]], prefix: str | None = None) -> int:
+    """Give the testcases of ``expired`` tests in pytest's JUnit file at ``path`` the
+    ScopeExpired failure type, the scope line and the scope's properties. Returns how
+    many testcases were changed."""
+    tree = ET.parse(path)
+    wanted = {_junit_names(nodeid, prefix): found for nodeid, found in expired.items()}
+    changed = 0
+    for case in tree.iter("testcase"):
+        found = wanted.get((case.get("classname", ""), case.get("name", "")))
+        problems = [c for c in case if c.tag in ("failure", "error")]
+        if not found or not problems:
+            continue
+        changed += 1
+        first = found[0]
+        line = first.line_text()
+        problem = next((p for p in problems if p.tag == "failure"), problems[0])
+        problem.set("type", FAILURE_TYPE)
+        problem.set("message", junit_fallback.xml_safe(line))
+        text = problem.text or ""
+        if not text.startswith(line):
+            lead = "\n".join(r.line_text() for r in found)
+            where = "\n".join(
+                f"  in {r.owner_text()}" + (f", entered at {r.file}:{r.line}" if r.file else "")
+                for r in found
+            )
+            problem.text = junit_fallback.xml_safe(f"{lead}\n{where}\n\n{text}")
+        props = case.find("properties")
+        if props is None:
+            props = ET.Element("properties")
+            case.insert(0, props)
+        have = {p.get("name") for p in props}
+        for name, value in junit_fallback.properties_of(first):
+            if name not in have:
+                ET.SubElement(props, "property", name=name, value=junit_fallback.xml_safe(value))
+    if changed:
+        text = ET.tostring(tree.getroot(), encoding="unicode")
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write('<?xml version="1.0" encoding="utf-8"?>' + text)
+        os.replace(tmp, path)
+    return changed
+
+
+def junit_path(config: pytest.Config) -> str | None:
+    """Where pytest's junitxml writes its file (as its LogXML does), or None."""
+    xmlpath = config.getoption("xmlpath", None)
+    if not xmlpath:
+        return None
+    return os.path.normpath(os.path.abspath(os.path.expanduser(os.path.expandvars(str(xmlpath)))))
+
+
+# -- hooks -----------------------------------------------------------------------------
+def pytest_elastic_timer_expired(
+    config: pytest.Config, report: pytest.TestReport, records: list[ExpiryRecord]
+) -> None:
+    expired = config.stash.setdefault(EXPIRED, {})
+    known = expired.setdefault(report.nodeid, [])
+    seen = {(k.pid, k.scope) for k in known}
+    known.extend(r for r in records if (r.pid, r.scope) not in seen)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's junitxml wrote the file
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    config = session.config
+    path = junit_path(config)
+    expired = config.stash.get(EXPIRED, None)
+    if path and expired and os.path.exists(path):
+        try:
+            fix_junit(path, expired, config.getoption("junitprefix", None))
+        except (OSError, ET.ParseError) as exc:
+            sys.stderr.write(f"pytest-elastic-timer: cannot amend {path}: {exc}\n")

@@ -1,0 +1,136 @@
+"""Each test's phase budgets: read from its ``expires`` marker (or the default), kept in
+one :class:`BudgetBook` per session, and scaled in one place (:meth:`BudgetBook.scaled`)
+for everything the plugin reports. Scopes scale their own budgets when entered."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from pytest_elastic_timer.core.seconds import parse_seconds
+
+MARKER_KEYWORDS = ("seconds", "setup", "teardown", "grace")
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """One test's phase budgets in seconds (None = unbounded), before scaling."""
+
+    setup: float | None
+    call: float | None
+    teardown: float | None
+    grace: float | None
+
+    @property
+    def phased(self) -> bool:
+        """Whether setup or teardown has a budget of its own."""
+        return self.setup is not None or self.teardown is not None
+
+
+ScaledBudgets = tuple[float | None, float | None, float | None]  # setup, call, teardown
+
+
+def parse_marker(nodeid: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Budgets:
+    """The budgets of ``@pytest.mark.expires(*args, **kwargs)`` on test ``nodeid``, or
+    ValueError naming the test and the value."""
+    where = f"{nodeid}: @pytest.mark.expires"
+    unknown = sorted(set(kwargs) - set(MARKER_KEYWORDS))
+    if unknown:
+        raise ValueError(
+            f"{where}: unknown keyword {unknown[0]!r} (known: {', '.join(MARKER_KEYWORDS)})"
+        )
+    if len(args) > 1:
+        raise ValueError(f"{where} takes one positional argument (seconds), got {args!r}")
+    if args and "seconds" in kwargs:
+        raise ValueError(f"{where}: seconds given twice")
+    if not args and "seconds" not in kwargs:
+        raise ValueError(f"{where} needs the number of seconds, e.g. expires(5)")
+    raw = args[0] if args else kwargs["seconds"]
+    seconds = parse_seconds(raw, f"{where} seconds", allow_text=False)
+
+    def keyword(name: str) -> float | None:
+        value = kwargs.get(name)
+        if value is None:
+            return None
+        return parse_seconds(value, f"{where} {name}=", allow_text=False) or None
+
+    return Budgets(keyword("setup"), seconds or None, keyword("teardown"), keyword("grace"))
+
+
+def find_marker(node: pytest.Item | pytest.Collector | None) -> pytest.Mark | None:
+    """The closest ``expires`` marker of ``node``, from the node up."""
+    while node is not None:
+        for mark in node.own_markers:
+            if mark.name == "expires":
+                return mark
+        node = node.parent
+    return None
+
+
+@dataclass
+class BudgetBook:
+    """The budgets of every test of the session: ``default`` for a test without a
+    marker, and those of marked tests by item. ``on_phased`` is called once a test
+    with a setup or teardown budget is found."""
+
+    default: Budgets
+    scale: float
+    on_phased: Callable[[], None]
+    by_item: dict[pytest.Item, Budgets] = field(default_factory=dict)
+    # Scaled budgets of marked tests that ran in other processes (xdist workers).
+    reported: dict[str, ScaledBudgets] = field(default_factory=dict)
+
+    def add_items(self, nodes: Iterable[Any]) -> None:
+        """Give each item of ``nodes`` its budgets (ValueError for a bad marker); the
+        marker of a parent is looked up once for its items, not once per item."""
+        parent_seen: Any = self
+        parent_mark: pytest.Mark | None = None
+        for node in nodes:
+            if not isinstance(node, pytest.Item):
+                continue
+            mark = next((m for m in node.own_markers if m.name == "expires"), None)
+            if mark is None:
+                if node.parent is not parent_seen:
+                    parent_seen, parent_mark = node.parent, find_marker(node.parent)
+                mark = parent_mark
+            self.by_item[node] = self.default if mark is None else self._marked(node, mark)
+
+    def of(self, item: pytest.Item) -> Budgets:
+        """The item's budgets; ValueError naming the test for bad input."""
+        budgets = self.by_item.get(item)
+        if budgets is None:  # not collected by this session's collection hooks
+            mark = find_marker(item)
+            budgets = self.by_item[item] = (
+                self.default if mark is None else self._marked(item, mark)
+            )
+        return budgets
+
+    def _marked(self, item: pytest.Item, mark: pytest.Mark) -> Budgets:
+        budgets = parse_marker(item.nodeid, mark.args, mark.kwargs)
+        if budgets.phased:
+            self.on_phased()
+        return budgets
+
+    def scaled(self, budgets: Budgets) -> ScaledBudgets:
+        """(setup, call, teardown) in seconds as the scopes enforce them."""
+        scale = self.scale
+        return tuple(  # type: ignore[return-value]
+            None if b is None else b * scale
+            for b in (budgets.setup, budgets.call, budgets.teardown)
+        )
+
+    def marked(self) -> dict[str, ScaledBudgets]:
+        """Scaled budgets by node id of the tests whose budgets are not the default,
+        those of this process and those other processes reported."""
+        default = self.default
+        found = dict(self.reported)
+        for item, budgets in self.by_item.items():
+            if budgets is not default:
+                found[item.nodeid] = self.scaled(budgets)
+        return found
+
+    def clear(self) -> None:
+        self.by_item.clear()

@@ -1,0 +1,200 @@
+"""Failed reports about expired scopes: the scope line first, sections for expiries in
+processes the test started, the scope's facts as ``user_properties``, the ``TIMEOUT``
+status, and the plugin's ``pytest_elastic_timer_expired`` hook.
+
+Nothing here runs for a passing test: :func:`watch_failures` registers these plugins
+once a test fails or a scope expires (always in an xdist controller, whose workers'
+failures arrive at any time).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Generator
+from typing import Any
+
+import pytest
+from _pytest._code.code import ExceptionChainRepr, ReprEntryNative, ReprExceptionInfo
+
+from pytest_elastic_timer.core import records
+from pytest_elastic_timer.core.records import ExpiryRecord
+from pytest_elastic_timer.plugin.state import SESSION, expiry_records, is_worker
+from pytest_elastic_timer.plugin.xdist_support import SCOPE_PROPERTY, ExpiryRepr
+from pytest_elastic_timer.scope.scopes import ScopeExpired
+
+PHASES = ("setup", "call", "teardown")
+PROPERTY_PREFIX = "elastic_timer_"
+
+
+def _add_properties(report: pytest.TestReport, record: ExpiryRecord) -> None:
+    """The scope's facts as ``user_properties``, named as in the JUnit file (imported
+    here: only a failure needs it, and the XML module it brings costs start-up)."""
+    from pytest_elastic_timer.ci.junit_fallback import properties_of
+
+    have = {name for name, _ in report.user_properties}
+    for name, value in properties_of(record):
+        if name not in have:
+            report.user_properties.append((name, value))
+
+
+def _scope_of(report: pytest.TestReport) -> str | None:
+    for name, value in report.user_properties:
+        if name == SCOPE_PROPERTY:
+            return str(value)
+    return None
+
+
+def _from_properties(report: pytest.TestReport) -> ExpiryRecord | None:
+    """The expired scope whose facts a worker attached to ``report``."""
+    props = {str(k): v for k, v in report.user_properties}
+    if PROPERTY_PREFIX + "action" not in props:
+        return None
+    try:
+        return ExpiryRecord(
+            report.nodeid,
+            str(props[PROPERTY_PREFIX + "scope"]),
+            float(str(props[PROPERTY_PREFIX + "budget"])),
+            float(str(props[PROPERTY_PREFIX + "elapsed"])),
+            int(str(props[PROPERTY_PREFIX + "pid"])),
+            str(props.get(PROPERTY_PREFIX + "label", "")),
+            str(getattr(report, "worker_id", "") or ""),
+            "",
+            0,
+            str(props[PROPERTY_PREFIX + "action"]),
+            "",
+        )
+    except (KeyError, ValueError):
+        return None
+
+
+def _expired_of(config: pytest.Config, report: pytest.TestReport) -> list[ExpiryRecord]:
+    """The expired scopes a failed report is about: its own (raised in the test's
+    process or recorded for a crashed xdist worker) or those of processes it started."""
+    if isinstance(report.longrepr, ExpiryRepr):
+        return [report.longrepr.record]
+    own = _from_properties(report)
+    found = [r for r in expiry_records(config) if r.nodeid == report.nodeid]
+    if own is not None:
+        # The watchdog's record knows more (file, line, worker) than the exception.
+        same = [r for r in found if (r.pid, r.scope) == (own.pid, own.scope)]
+        return same[:1] or [own]
+    scope = _scope_of(report)
+    if scope is not None:
+        return [r for r in found if r.scope == scope][:1] or found
+    return found
+
+
+class ExpiryReports:
+    """In the process that ran the test: failed reports get the scope line first, and
+    sections for expiries in processes the test started."""
+
+    NAME = "elastic_timer_expiry_reports"
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(
+        self, item: pytest.Item, call: pytest.CallInfo[None]
+    ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+        report = yield
+        if report.failed:
+            excinfo = call.excinfo
+            if excinfo is not None and isinstance(excinfo.value, ScopeExpired):
+                exc = excinfo.value
+                _lead_with_scope_line(report, exc)
+                # Its facts travel with the report (to an xdist controller).
+                _add_properties(report, _record_of(item, exc))
+            _add_process_sections(item, report)
+        return report
+
+
+class FailedReports:
+    """In the controller (or only process): a failed report about expired scopes gets
+    their facts as properties and the ``TIMEOUT`` status, and is handed to the
+    ``pytest_elastic_timer_expired`` hook."""
+
+    NAME = "elastic_timer_failed_reports"
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if not report.failed or report.when not in PHASES:
+            return
+        config = self.config
+        found = _expired_of(config, report)
+        if not found:
+            return
+        if _scope_of(report) is None:
+            report.user_properties.append((SCOPE_PROPERTY, found[0].scope))
+        _add_properties(report, found[0])
+        state = config.stash[SESSION]
+        known = state.expired.setdefault(report.nodeid, [])
+        seen = {(k.pid, k.scope) for k in known}
+        known.extend(r for r in found if (r.pid, r.scope) not in seen)
+        config.hook.pytest_elastic_timer_expired(config=config, report=report, records=found)
+
+    def pytest_report_teststatus(self, report: pytest.TestReport, config: pytest.Config) -> Any:
+        """Expired tests read ``T`` / ``TIMEOUT`` in the progress line and verbose output."""
+        if not report.failed:
+            return None
+        properties = getattr(report, "user_properties", ())  # a CollectReport has none
+        if any(k == SCOPE_PROPERTY for k, _ in properties):
+            # Setup and teardown count as errors, as any failure there does.
+            category = "failed" if report.when == "call" else "error"
+            return category, "T", ("TIMEOUT", {"red": True})
+        return None
+
+
+def watch_failures(config: pytest.Config) -> None:
+    """From now on, failed reports are looked at (a test failed, or a scope expired)."""
+    manager = config.pluginmanager
+    if not manager.has_plugin(ExpiryReports.NAME):
+        manager.register(ExpiryReports(), ExpiryReports.NAME)
+    if not is_worker(config) and not manager.has_plugin(FailedReports.NAME):
+        manager.register(FailedReports(config), FailedReports.NAME)
+
+
+def _record_of(item: pytest.Item, exc: ScopeExpired) -> ExpiryRecord:
+    file, line = records.split_site(exc.site)
+    return ExpiryRecord(
+        item.nodeid, exc.scope, exc.budget, exc.elapsed, exc.pid, exc.label,
+        os.environ.get("PYTEST_XDIST_WORKER", ""), file, line, exc.action, "",
+    )  # fmt: skip
+
+
+def _add_process_sections(item: pytest.Item, report: pytest.TestReport) -> None:
+    """Expiries in processes the test started (ranks), and where its children were."""
+    me = os.getpid()
+    for record in expiry_records(item.config):
+        if record.nodeid != item.nodeid:
+            continue
+        if record.pid != me:
+            report.sections.append(
+                (f"elastic-timer: expired in {record.owner_text()}", records.format_record(record))
+            )
+        for child in record.children:
+            if child.get("stack"):
+                who = ", ".join(
+                    str(x) for x in (child.get("label"), f"pid {child.get('pid')}") if x
+                )
+                report.sections.append(
+                    (f"elastic-timer: stack of {who} at expiry", str(child["stack"]))
+                )
+
+
+def _lead_with_scope_line(report: pytest.TestReport, exc: ScopeExpired) -> None:
+    """Make the scope line the first line of the failure and its crash message."""
+    longrepr = report.longrepr
+    line = exc.line()
+    if isinstance(longrepr, (ExceptionChainRepr, ReprExceptionInfo)):
+        first = (
+            longrepr.chain[0][0]
+            if isinstance(longrepr, ExceptionChainRepr)
+            else (longrepr.reprtraceback)
+        )
+        first.reprentries = [ReprEntryNative([line + "\n"]), *first.reprentries]
+        if longrepr.reprcrash is not None:
+            longrepr.reprcrash.message = line
+    elif isinstance(longrepr, str):
+        report.longrepr = f"{line}\n{longrepr}"
+    report.user_properties.append((SCOPE_PROPERTY, exc.scope))

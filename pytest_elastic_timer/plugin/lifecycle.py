@@ -1,0 +1,200 @@
+"""The session around the tests: the watchdog started and stopped, the environment
+that keeps child processes in the session, the session's own budget
+(``--expires-session``), and a watchdog lost on the way."""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from typing import Any
+
+import pytest
+
+from pytest_elastic_timer.core import records, startup
+from pytest_elastic_timer.plugin import launcher
+from pytest_elastic_timer.plugin.hookspecs import SessionFacts
+from pytest_elastic_timer.plugin.state import SESSION, SessionState, is_worker, uses_xdist
+from pytest_elastic_timer.scope import client, scopes
+from pytest_elastic_timer.scope.scopes import ScopeExpired, TimerRequest
+from pytest_elastic_timer.watchdog import file_timer
+
+SESSION_END_GRACE = 5.0  # for the session's end (summary, reports) after its interrupt
+
+
+def session_facts(config: pytest.Config, state: SessionState) -> dict[str, Any]:
+    """The facts of the JSON report's ``session`` object that the plugin knows."""
+    settings = state.settings
+    return {
+        "pid": os.getpid(),
+        "expires": settings.expires,
+        "grace": settings.grace,
+        "scale": settings.scale,
+        "args": list(config.invocation_params.args),
+    }
+
+
+def start_watchdog(config: pytest.Config, state: SessionState) -> None:
+    """Start the session's watchdog and export where it is to every child process; a
+    watchdog that cannot start leaves scopes enforced in-process, with a warning."""
+    settings = state.settings
+    try:
+        handle = launcher.start(
+            grace=settings.grace,
+            scale=settings.scale,
+            report=settings.report,
+            session=session_facts(config, state),
+            dump_signal=startup.session_dump_signal(),
+            junit_xml=config.getoption("xmlpath", None),
+            trace=bool(settings.trace),
+        )
+    except (launcher.WatchdogError, OSError) as exc:
+        config.issue_config_time_warning(
+            pytest.PytestWarning(
+                f"pytest-elastic-timer: {exc}; scopes are enforced in-process only"
+            ),
+            stacklevel=2,
+        )
+        return
+    state.watchdog = handle
+    python_path = os.pathsep.join(
+        p for p in (startup.install(handle.directory), os.environ.get("PYTHONPATH")) if p
+    )
+    for name, value in (
+        (client.ENV_ADDRESS, handle.address),
+        (client.ENV_SCALE, repr(settings.scale)),
+        (startup.ENV_DUMP_SIGNAL, str(startup.session_dump_signal())),
+        (file_timer.ENV_FILE, os.path.join(handle.directory, file_timer.FIFO_NAME)),
+        ("PYTHONPATH", python_path),
+    ):
+        state.previous_env[name] = os.environ.get(name)
+        os.environ[name] = value
+    state.put_back_scopes = scopes.set_aside()
+
+
+def restore_environment(state: SessionState) -> None:
+    for name, value in state.previous_env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+def enter_session_scope(session: pytest.Session, state: SessionState) -> None:
+    """The session's budget (``--expires-session``) begins."""
+    config = session.config
+    budget = state.settings.session
+    if not is_worker(config) and uses_xdist(config):
+        # Workers enforce the same budget on themselves; the controller waits for
+        # their reports first, so it gets the ladder's time on top: past the workers'
+        # own ladder (grace + the session's end grace + kill time), so that a hung
+        # worker is named by its own expiry first.
+        budget += 2 * state.settings.grace + SESSION_END_GRACE + 5.0
+    state.session = session
+    # After the interrupt the session still has to end (summary, reports): that gets
+    # a few seconds on top of the usual grace before the watchdog steps in.
+    scope = TimerRequest(budget, "session", grace=state.settings.grace + SESSION_END_GRACE)
+    scope.detached = True
+    scope.on_expire = lambda exc: _end_session(state, exc)
+    scope.at = (str(config.rootpath), 0)
+    scope.acquire()
+    state.session_scope = scope
+
+
+def leave_session_scope(state: SessionState) -> None:
+    if state.session_scope is not None and state.session_scope.active:
+        try:
+            state.session_scope.release()
+        except ScopeExpired:
+            pass  # already reported: the session overran while it was ending
+
+
+def _end_session(state: SessionState, exc: ScopeExpired) -> BaseException:
+    """A session over its budget stops where it is, with the scope line as reason."""
+    phase = scopes.process_state().phase()
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    where = ", ".join(x for x in (f"phase {phase}" if phase else "", worker) if x)
+    reason = f"{exc.line()} ({where})" if where else exc.line()
+    if state.session is not None:
+        # Where the exception is caught (a fixture finalizer records it as a teardown
+        # error), the session must still not start another test.
+        state.session.shouldstop = reason
+    if worker:
+        return exc  # xdist takes Exit in a worker for Ctrl-C: fail where it is instead
+    return pytest.exit.Exception(reason)
+
+
+def watchdog_lost(item: pytest.Item) -> None:
+    """Say it loudly: from here on hung C calls and spawned processes go unchecked."""
+    state = item.config.stash[SESSION]
+    state.lost_watchdog = (
+        f"the watchdog (pid {scopes.process_state().watchdog_pid}) died before "
+        f"{item.nodeid}; scopes are enforced in-process from then on (no stack dumps, "
+        "no termination of hung processes)"
+    )
+    reporter = item.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"\nelastic-timer: {state.lost_watchdog}", red=True, bold=True)
+    warnings.warn(pytest.PytestWarning(f"elastic-timer: {state.lost_watchdog}"), stacklevel=1)
+
+
+def check_watchdog(session: pytest.Session, state: SessionState) -> None:
+    """At the session's end: a watchdog that died after the last per-test look (in the
+    last test, say) is still reported, and fails the session."""
+    watchdog = state.watchdog
+    if watchdog is not None and not state.lost_watchdog and not watchdog.alive():
+        state.lost_watchdog = (
+            f"the watchdog (pid {watchdog.pid}) died during the session; scopes "
+            "were enforced in-process from then on"
+        )
+    if state.lost_watchdog and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED  # the guarantees did not hold
+
+
+def facts_for_hooks(config: pytest.Config, state: SessionState) -> SessionFacts:
+    """What the plugin's session hooks are given."""
+    settings = state.settings
+    book = state.budgets
+    default_call = book.scaled(book.default)[1]
+    return SessionFacts(
+        pid=os.getpid(),
+        args=list(config.invocation_params.args),
+        started=state.started,
+        rootdir=str(config.rootpath),
+        scale=settings.scale,
+        default_call=default_call,
+        report=settings.report,
+        trace=settings.trace,
+        slow=settings.slow,
+        directory=state.watchdog.directory if state.watchdog else "",
+        exitstatus=state.exitstatus,
+        expired=state.expired,
+        budgets=book.marked(),
+    )
+
+
+def report_without_watchdog(
+    config: pytest.Config, state: SessionState, end: dict[str, Any]
+) -> None:
+    """The watchdog died before the end of the session, so it writes no JSON report:
+    write one from the records it made while it ran (later expiries were enforced
+    in-process and are in pytest's own reports only)."""
+    settings = state.settings
+    assert state.watchdog is not None and settings.report
+    lost = state.lost_watchdog or f"the watchdog (pid {state.watchdog.pid}) died"
+    session = {
+        **session_facts(config, state),
+        "started": state.started,
+        "ended": time.time(),
+        "workers": [],
+        "root_died": False,
+        "watchdog_lost": lost,
+        **end,
+    }
+    found = records.read_records(state.watchdog.records_path)
+    try:
+        records.write_report(settings.report, found, session)
+    except OSError as exc:
+        warnings.warn(
+            pytest.PytestWarning(f"elastic-timer: cannot write the report: {exc}"), stacklevel=2
+        )

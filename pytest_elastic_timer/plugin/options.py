@@ -1,0 +1,122 @@
+"""The plugin's options and marker text, and the session's :class:`Settings` read from
+them once (the CLI wins over the ini file). Every number of seconds goes through
+:func:`~pytest_elastic_timer.core.seconds.parse_seconds`."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from pytest_elastic_timer.core.seconds import parse_fraction, parse_seconds
+
+HELP = {
+    "expires": "default call-phase budget in seconds for tests without an expires "
+    "marker (0 = none).",
+    "grace": "seconds from a scope's interrupt to the termination of its owner's "
+    "process tree (default 2).",
+    "scale": "multiply every budget by this factor (slow machines, coverage runs).",
+    "report": "write a JSON report of expired scopes to this path.",
+    "trace": "write a Chrome/Perfetto trace of all scopes to this path.",
+    "session": "budget in seconds for the whole session, phases outside tests included (0 = none).",
+    "leaks": "what to do with processes a test started in its call phase and left running "
+    "after its teardown: kill (default; also warns), warn, or off.",
+    "slow": "list a test phase as SLOW in the terminal summary once it used this fraction "
+    "of its budget (default 0.8; 0 = off).",
+}
+# (CLI flag, ini name, key of HELP, metavar); the ini name is also the option's dest.
+OPTIONS = (
+    ("--expires", "expires", "expires", "SECONDS"),
+    ("--elastic-timer-grace", "elastic_timer_grace", "grace", "SECONDS"),
+    ("--elastic-timer-scale", "elastic_timer_scale", "scale", "FACTOR"),
+    ("--elastic-timer-report", "elastic_timer_report", "report", "PATH"),
+    ("--elastic-timer-trace", "elastic_timer_trace", "trace", "PATH"),
+    ("--expires-session", "expires_session", "session", "SECONDS"),
+    ("--elastic-timer-leaks", "elastic_timer_leaks", "leaks", "kill|warn|off"),
+    ("--elastic-timer-slow", "elastic_timer_slow", "slow", "FRACTION"),
+)
+MARKER = (
+    "expires(seconds, *, setup=None, teardown=None, grace=None): the test's call phase "
+    "must end within `seconds` (setup and teardown within their keywords); enforced by "
+    "the pytest-elastic-timer watchdog."
+)
+DEFAULT_GRACE = 2.0
+DEFAULT_SLOW = 0.8
+LEAK_MODES = ("kill", "warn", "off")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The session's options, resolved once (CLI wins over ini)."""
+
+    expires: float = 0.0
+    grace: float = DEFAULT_GRACE
+    scale: float = 1.0
+    report: str | None = None
+    trace: str | None = None  # absolute
+    session: float = 0.0
+    leaks: str = "kill"
+    slow: float = DEFAULT_SLOW
+
+
+def add_options(parser: pytest.Parser) -> None:
+    """Each option once for the command line and once for the ini file."""
+    group = parser.getgroup("elastic-timer", "per-step deadlines (pytest-elastic-timer)")
+    for flag, ini, key, metavar in OPTIONS:
+        group.addoption(flag, dest=ini, default=None, metavar=metavar, help=HELP[key])
+        parser.addini(ini, HELP[key], default=None)
+
+
+def option(config: pytest.Config, name: str) -> tuple[str, Any]:
+    """(where the value came from, raw value) for option ``name``; CLI wins."""
+    value = config.getoption(name)
+    if value is not None:
+        return f"--{name.replace('_', '-')}", value
+    value = config.getini(name)
+    if value not in (None, ""):
+        return f"ini option {name!r}", value
+    return "", None
+
+
+def read_settings(config: pytest.Config) -> Settings:
+    """The session's settings; a bad value is a usage error that names where it came from."""
+
+    def seconds(name: str, default: float, *, allow_zero: bool = True) -> float:
+        where, raw = option(config, name)
+        if raw is None:
+            return default
+        try:
+            return parse_seconds(raw, where, allow_zero=allow_zero)
+        except ValueError as exc:
+            raise pytest.UsageError(str(exc)) from None
+
+    def path(name: str) -> str | None:
+        return option(config, name)[1] or None
+
+    def choice(name: str, allowed: tuple[str, ...], default: str) -> str:
+        where, raw = option(config, name)
+        if raw is None:
+            return default
+        if str(raw).strip() not in allowed:
+            raise pytest.UsageError(f"{where} must be one of {', '.join(allowed)}, not {raw!r}")
+        return str(raw).strip()
+
+    def fraction(name: str, default: float) -> float:
+        where, raw = option(config, name)
+        try:
+            return default if raw is None else parse_fraction(raw, where)
+        except ValueError as exc:
+            raise pytest.UsageError(str(exc)) from None
+
+    return Settings(
+        expires=seconds("expires", 0.0),
+        grace=seconds("elastic_timer_grace", DEFAULT_GRACE),
+        scale=seconds("elastic_timer_scale", 1.0, allow_zero=False),
+        report=path("elastic_timer_report"),
+        trace=os.path.abspath(trace) if (trace := path("elastic_timer_trace")) else None,
+        session=seconds("expires_session", 0.0),
+        leaks=choice("elastic_timer_leaks", LEAK_MODES, "kill"),
+        slow=fraction("elastic_timer_slow", DEFAULT_SLOW),
+    )

@@ -1,0 +1,260 @@
+"""The per-test path: a :class:`RunningTest` from a test's setup to the end of its
+teardown, its phases, and the scopes of their budgets.
+
+Every test pays three hook implementations here (see docs/design.md, "What a test
+costs"): a plain hook for setup, a wrapper for the call phase and one for the teardown,
+which also ends the test. The wrappers that give setup and teardown budgets of their own
+(:class:`PhaseBudgets`) are registered only once a collected test has one.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Generator
+
+import pytest
+
+from pytest_elastic_timer.plugin import leaks
+from pytest_elastic_timer.plugin.budgets import Budgets
+from pytest_elastic_timer.plugin.expiry import watch_failures
+from pytest_elastic_timer.plugin.lifecycle import watchdog_lost
+from pytest_elastic_timer.plugin.state import SESSION, SessionState
+from pytest_elastic_timer.scope import scopes
+from pytest_elastic_timer.scope.scopes import TimerRequest
+
+
+class RunningTest:
+    """What this process knows of the test it runs, from its setup to the end of its
+    teardown."""
+
+    def __init__(self, item: pytest.Item, state: SessionState) -> None:
+        self.item = item
+        self.nodeid = item.nodeid
+        self.name = item.name
+        self.state = state
+        self.process = scopes.process_state()
+        self.stack = scopes.thread_stack()
+        self.depth = len(self.stack)  # scopes above this depth are the test's own
+        self.outer_prefix = self.stack.prefix
+        self.outer_sid = self.process.nodeid_sid
+        self.definition = place(item, state)
+        self.process.set_test(self.nodeid, self.name, *self.definition)
+        self.children: bytes | None = None  # this process's children when the call began
+        self.call_scope: TimerRequest | None = None
+        self.tracing = self.process.trace is not None
+        self.started = 0.0  # when the phase began, for the trace timeline (when tracing)
+        self.when = ""
+
+    def switch(self, when: str, *, named: bool = True) -> None:
+        """The phase ``when`` begins (once): the phase before it is traced, the table
+        names the new one, and scopes the phase before left open are closed.
+        ``named``: no scope of its own names the phase, the stack's prefix does."""
+        if self.when != when:
+            if self.tracing:
+                self._trace_phase()
+            self.when = when
+            self.process.set_phase(when)
+            self._close_open_scopes()
+        self.stack.prefix = f"{self.name}::{when}" if named else self.outer_prefix
+
+    def finish(self) -> None:
+        """After the test's teardown: its scopes are over, its leftover processes found."""
+        if self.tracing:
+            self._trace_phase()
+        self.when = ""
+        self._close_open_scopes()
+        self.stack.prefix = self.outer_prefix
+        # Back to the test that runs this session in-process, if any.
+        outer = _running[-1] if _running else None
+        if outer is None:
+            self.process.restore_test("", self.outer_sid, "between tests")
+        else:
+            self.process.restore_test(outer.nodeid, self.outer_sid, outer.when)
+        before = self.children
+        if before is not None:
+            after = leaks.snapshot()
+            if after != before:
+                self._check_leaks(before, after)
+
+    def _close_open_scopes(self) -> None:
+        stack = self.stack
+        if len(stack) > self.depth:
+            scopes.close_above(stack, self.depth, stack.prefix)
+
+    def _trace_phase(self) -> None:
+        """The timeline shows every phase without a scope of its own."""
+        stack = self.stack
+        if self.when and stack.prefix != self.outer_prefix:
+            self.process.traced(stack.prefix, self.started, stack.tid, False)
+        self.started = time.monotonic()
+
+    def _check_leaks(self, before: bytes, after: bytes) -> None:
+        state = self.state
+        ours = {state.watchdog.pid} if state.watchdog else set()
+        new = {
+            p
+            for p in leaks.pids_of(after) - leaks.pids_of(before) - ours
+            if not leaks.is_service(p)
+        }
+        if not new:
+            return
+        mode = state.settings.leaks
+        left = leaks.end_leaks(new) if mode == "kill" else leaks.describe_running(new)
+        if left:
+            names = ", ".join(
+                f"{p['pid']} ({' '.join(str(p['cmdline']).split())[:80] or p['name']})"
+                for p in left
+            )
+            done = "ended" if mode == "kill" else "still running"
+            warnings.warn(
+                pytest.PytestWarning(
+                    f"{self.nodeid} left {len(left)} process(es) running after its teardown "
+                    f"({done}): {names}"
+                ),
+                stacklevel=1,
+            )
+
+
+# The tests running in this process, innermost last: a test can run a pytest session
+# in-process (pytester), whose tests run inside its call phase. Per process, not per
+# session, for that reason.
+_running: list[RunningTest] = []
+
+
+def current(item: pytest.Item) -> RunningTest | None:
+    """The running test of ``item``, if this plugin saw its setup begin."""
+    return _running[-1] if _running and _running[-1].item is item else None
+
+
+def place(item: pytest.Item, state: SessionState) -> tuple[str, int]:
+    """Where the test is defined: the absolute file and 1-based line of its report."""
+    path, line, _ = item.location  # computed (and cached) by pytest before setup
+    return state.file_of(path), (line or 0) + 1
+
+
+def phase_scope(item: pytest.Item, when: str, budgets: Budgets) -> TimerRequest:
+    """The scope of the phase ``when`` of ``item`` with its budget (not entered yet)."""
+    running = current(item)
+    at = running.definition if running else place(item, item.config.stash[SESSION])
+    return scopes.phase_scope(item.name, when, getattr(budgets, when), budgets.grace, at)
+
+
+def budgets_or_fail(item: pytest.Item) -> Budgets:
+    """The item's budgets; a bad marker (added after collection) fails the test."""
+    try:
+        return item.config.stash[SESSION].budgets.of(item)
+    except ValueError as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+def begin(item: pytest.Item, *, named: bool = True) -> None:
+    """The test's setup begins: the watchdog still there, the test's name for records.
+    ``named``: the setup's name is the prefix of the scopes entered in it."""
+    running = current(item)
+    if running is not None:
+        if running.when == "setup":
+            return  # a wrapper for the setup budget did it already
+        _running.pop().finish()  # the same test runs again (a plugin that reruns tests)
+    state = item.config.stash[SESSION]
+    running = RunningTest(item, state)
+    _running.append(running)
+    running.switch("setup", named=named)
+    process = running.process
+    if (
+        process.sock is not None
+        and time.monotonic() - process.alive_checked >= 1.0
+        and not process.watchdog_alive()
+    ):
+        watchdog_lost(item)
+
+
+def call(item: pytest.Item) -> Generator[None, None, None]:
+    """The call phase, within the test's call budget."""
+    running = current(item)
+    if running is None:
+        return (yield from _call_of_unknown_test(item))
+    budgets = budgets_or_fail(item)
+    if running.state.settings.leaks != "off":
+        running.children = leaks.snapshot()
+    running.switch("call", named=budgets.call is None)
+    try:
+        if budgets.call is None:
+            return (yield)
+        scope = running.call_scope = scopes.enter_test_phase(
+            phase_scope(item, "call", budgets), running.stack
+        )
+        try:
+            result = yield
+        except BaseException as exc:
+            scopes.leave_test_phase(scope, exc)
+            raise
+        scopes.leave_test_phase(scope, None)  # raises ScopeExpired if it overran
+        return result
+    except BaseException:
+        watch_failures(item.config)  # before pytest makes the call's report
+        raise
+
+
+def _call_of_unknown_test(item: pytest.Item) -> Generator[None, None, None]:
+    """The call phase of a test whose setup this plugin did not see begin."""
+    budgets = budgets_or_fail(item)
+    try:
+        if budgets.call is None:
+            return (yield)
+        with phase_scope(item, "call", budgets):
+            return (yield)
+    except BaseException:
+        watch_failures(item.config)
+        raise
+
+
+def teardown(item: pytest.Item) -> Generator[None, None, None]:
+    """The teardown, then the end of the test (one hook for both)."""
+    running = current(item)
+    if running is None:
+        return (yield)
+    running.switch("teardown")
+    try:
+        return (yield)
+    finally:
+        # Leftover processes are found here, inside the teardown: a warning made an
+        # error (-W error) fails the test's teardown.
+        if _running and _running[-1] is running:
+            _running.pop().finish()
+
+
+class PhaseBudgets:
+    """Scopes for setup and teardown budgets (``expires(setup=..., teardown=...)``),
+    registered once a collected test has one."""
+
+    NAME = "elastic_timer_phase_budgets"
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, None, None]:
+        budgets = budgets_or_fail(item)
+        # First: the scope's record names the test; the scope names the phase.
+        begin(item, named=budgets.setup is None)
+        if budgets.setup is None:
+            return (yield)
+        with phase_scope(item, "setup", budgets):
+            return (yield)
+
+    # Inside the plugin's own teardown wrapper (tryfirst), which began the phase and
+    # ends the test after this scope ended.
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_teardown(self, item: pytest.Item) -> Generator[None, None, None]:
+        budgets = budgets_or_fail(item)
+        if budgets.teardown is None:
+            return (yield)
+        running = current(item)
+        if running is not None:
+            running.switch("teardown", named=False)  # the budget's scope names the phase
+        with phase_scope(item, "teardown", budgets):
+            return (yield)
+
+
+def need_phase_budgets(config: pytest.Config) -> None:
+    """Register :class:`PhaseBudgets` (once)."""
+    if not config.pluginmanager.has_plugin(PhaseBudgets.NAME):
+        config.pluginmanager.register(PhaseBudgets(), PhaseBudgets.NAME)

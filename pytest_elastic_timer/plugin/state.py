@@ -1,0 +1,88 @@
+"""The session's state, kept in ``config.stash`` under :data:`SESSION`, and the facts
+derived from it that several parts of the plugin read."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from pytest_elastic_timer.core import records
+from pytest_elastic_timer.plugin import launcher
+from pytest_elastic_timer.plugin.budgets import BudgetBook
+from pytest_elastic_timer.plugin.options import Settings
+from pytest_elastic_timer.scope import scopes
+from pytest_elastic_timer.scope.scopes import TimerRequest
+
+
+@dataclass
+class SessionState:
+    """What the plugin knows of its session, in one process (controller, worker, or
+    the only one)."""
+
+    settings: Settings
+    budgets: BudgetBook
+    rootdir: str = ""
+    watchdog: launcher.WatchdogHandle | None = None
+    previous_env: dict[str, str | None] = field(default_factory=dict)
+    session_scope: TimerRequest | None = None
+    session: pytest.Session | None = None
+    lost_watchdog: str = ""  # why and when the watchdog went away mid-session
+    expiry_listener: Any = None
+    # Absolute file of each location path items report, relative to rootdir.
+    files: dict[str, str] = field(default_factory=dict)
+    started: float = field(default_factory=time.time)
+    exitstatus: int | None = None
+    # What leaves the process as the session found it (a pytest run inside a test).
+    put_back_scopes: Callable[[], None] = field(default=lambda: None)
+    leave_leaks: Callable[[], None] = field(default=lambda: None)
+    # Failed tests and the expired scopes that failed them (controller or only process).
+    expired: dict[str, list[records.ExpiryRecord]] = field(default_factory=dict)
+
+    def file_of(self, path: str) -> str:
+        """The absolute file of an item's location ``path`` (relative to rootdir, unless
+        pytest gave an absolute one), cached by path."""
+        file = self.files.get(path)
+        if file is None:
+            file = self.files[path] = path if path.startswith("/") else f"{self.rootdir}/{path}"
+        return file
+
+
+SESSION = pytest.StashKey[SessionState]()
+RECORDS_FILE = "records.jsonl"  # the watchdog's records, beside its socket
+
+
+def records_beside(address: str) -> str:
+    """The watchdog's records file, for the watchdog listening at ``address``."""
+    return os.path.join(os.path.dirname(address), RECORDS_FILE)
+
+
+def is_worker(config: pytest.Config) -> bool:
+    """Whether this process is an xdist worker."""
+    return hasattr(config, "workerinput")
+
+
+def uses_xdist(config: pytest.Config) -> bool:
+    """Whether this process is an xdist controller (its tests run in workers)."""
+    return config.pluginmanager.hasplugin("dsession")
+
+
+def expiry_records(config: pytest.Config) -> list[records.ExpiryRecord]:
+    """The watchdog's records so far (after a sync); also in an xdist worker, which
+    finds them beside the watchdog's socket."""
+    state = config.stash.get(SESSION, None)
+    if state is None:
+        return []
+    process = scopes.process_state()
+    if state.watchdog is not None:
+        path = state.watchdog.records_path
+    elif process.sock is not None and process.address:
+        path = records_beside(process.address)
+    else:
+        return []
+    process.request("sync")
+    return records.read_records(path)
