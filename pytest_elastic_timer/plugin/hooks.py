@@ -134,20 +134,11 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Any:
 
 
 # -- running: one scope per phase ----------------------------------------------------
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    running.begin(item)
-
-
-@pytest.hookimpl(wrapper=True, tryfirst=True)
-def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
-    return (yield from running.call(item))
-
-
-@pytest.hookimpl(wrapper=True, tryfirst=True)
-def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
-    """The outermost wrapper of teardown: the test ends when its teardown does."""
-    return (yield from running.teardown(item))
+# The per-test path's own functions are the hooks (see running.py): every test pays them.
+pytest_runtest_setup = pytest.hookimpl(tryfirst=True)(running.begin)
+pytest_runtest_call = pytest.hookimpl(wrapper=True, tryfirst=True)(running.call)
+# The outermost wrapper of teardown: the test ends when its teardown does.
+pytest_runtest_teardown = pytest.hookimpl(wrapper=True, tryfirst=True)(running.teardown)
 
 
 def pytest_enter_pdb(config: pytest.Config, pdb: Any) -> None:

@@ -55,7 +55,8 @@ class RunningTest:
                 self._trace_phase()
             self.when = when
             self.process.set_phase(when)
-            self._close_open_scopes()
+            if len(self.stack) > self.depth:
+                self._close_open_scopes()
         self.stack.prefix = f"{self.name}::{when}" if named else self.outer_prefix
 
     def finish(self) -> None:
@@ -63,7 +64,8 @@ class RunningTest:
         if self.tracing:
             self._trace_phase()
         self.when = ""
-        self._close_open_scopes()
+        if len(self.stack) > self.depth:
+            self._close_open_scopes()
         self.stack.prefix = self.outer_prefix
         # Back to the test that runs this session in-process, if any.
         outer = _running[-1] if _running else None
@@ -77,10 +79,15 @@ class RunningTest:
             if after != before:
                 self._check_leaks(before, after)
 
+    def phase_scope(self, when: str, budgets: Budgets) -> TimerRequest:
+        """The scope of phase ``when`` with its budget (not entered yet)."""
+        return scopes.phase_scope(
+            self.name, when, getattr(budgets, when), budgets.grace, self.definition
+        )
+
     def _close_open_scopes(self) -> None:
-        stack = self.stack
-        if len(stack) > self.depth:
-            scopes.close_above(stack, self.depth, stack.prefix)
+        """Scopes the phase before left open end with it (with a warning)."""
+        scopes.close_above(self.stack, self.depth, self.stack.prefix)
 
     def _trace_phase(self) -> None:
         """The timeline shows every phase without a scope of its own."""
@@ -136,7 +143,9 @@ def place(item: pytest.Item, state: SessionState) -> tuple[str, int]:
 def phase_scope(item: pytest.Item, when: str, budgets: Budgets) -> TimerRequest:
     """The scope of the phase ``when`` of ``item`` with its budget (not entered yet)."""
     running = current(item)
-    at = running.definition if running else place(item, item.config.stash[SESSION])
+    if running is not None:
+        return running.phase_scope(when, budgets)
+    at = place(item, item.config.stash[SESSION])
     return scopes.phase_scope(item.name, when, getattr(budgets, when), budgets.grace, at)
 
 
@@ -174,7 +183,7 @@ def call(item: pytest.Item) -> Generator[None, None, None]:
     running = current(item)
     if running is None:
         return (yield from _call_of_unknown_test(item))
-    budgets = budgets_or_fail(item)
+    budgets = running.state.budgets.by_item.get(item) or budgets_or_fail(item)
     if running.state.settings.leaks != "off":
         running.children = leaks.snapshot()
     running.switch("call", named=budgets.call is None)
@@ -182,7 +191,7 @@ def call(item: pytest.Item) -> Generator[None, None, None]:
         if budgets.call is None:
             return (yield)
         scope = running.call_scope = scopes.enter_test_phase(
-            phase_scope(item, "call", budgets), running.stack
+            running.phase_scope("call", budgets), running.stack
         )
         try:
             result = yield
