@@ -1,12 +1,12 @@
-"""Bad marker and option values: a collection or usage error naming the test and the
-value, never an INTERNALERROR."""
+"""Bad marker and option values: an error of that test alone (a marker) or a usage
+error (an option), naming the test and the value, never an INTERNALERROR."""
 
 from __future__ import annotations
 
 import re
 
 import pytest
-from helpers import run
+from helpers import Session, failure_block, run
 
 import pytest_elastic_timer as et
 
@@ -26,72 +26,87 @@ BAD_MARKERS = {
 }
 
 
-def test_bad_marker_values_are_collection_errors(pytester: pytest.Pytester) -> None:
+def bad_marker_module() -> str:
+    """One module with a test per bad marker of BAD_MARKERS, and good tests between."""
+    source = "import pytest\n\ndef test_good_first():\n    pass\n"
     for name, (arguments, _) in BAD_MARKERS.items():
-        pytester.makepyfile(
-            **{
-                f"test_{name}": f"""
-                import pytest
+        source += f"\n@pytest.mark.expires{arguments}\ndef test_bad_{name}():\n    pass\n"
+    return source + "\n@pytest.mark.expires(5)\ndef test_good_last():\n    pass\n"
 
-                @pytest.mark.expires{arguments}
-                def test_bad_{name}():
-                    pass
-                """
-            }
-        )
-    pytester.makepyfile(test_good="def test_good():\n    pass\n")
-    # With the short test summary (the default -rfE), which lists every collection error.
+
+def setup_error(session: Session, name: str) -> str:
+    """The text of the error at the setup of test ``name``."""
+    block = failure_block(session, name)
+    assert block.splitlines()[0].strip("_ ") == f"ERROR at setup of {name}", block
+    return block
+
+
+def test_each_bad_marker_is_an_error_of_its_test_alone(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_markers=bad_marker_module())
     session = run(pytester, report=False)
     session.assert_clean()
-    assert session.result.ret == pytest.ExitCode.INTERRUPTED
-    session.result.assert_outcomes(errors=len(BAD_MARKERS))
-    summary = [line for line in session.lines if line.startswith("ERROR test_")]
-    assert len(summary) == len(BAD_MARKERS), summary
+    # Every bad marker of the module is named, and the module's good tests run.
+    session.result.assert_outcomes(passed=2, errors=len(BAD_MARKERS))
+    assert session.result.ret == pytest.ExitCode.TESTS_FAILED
     for name, (_, value) in BAD_MARKERS.items():
-        errors = [
-            line
-            for line in session.lines
-            if line.startswith(f"test_{name}.py::test_bad_{name}: @pytest.mark.expires")
-        ]
-        assert len(errors) == 1, f"no error line for test_bad_{name}"
+        block = setup_error(session, f"test_bad_{name}")
+        nodeid = f"test_markers.py::test_bad_{name}"
+        errors = [s for s in block.splitlines() if s.startswith(f"{nodeid}: ")]
+        assert len(errors) == 1, block
+        # The marker as written, then what is wrong with it.
+        assert re.match(rf"{re.escape(nodeid)}: @pytest\.mark\.expires\(.*\): \w", errors[0])
         assert value in errors[0], errors[0]
+    summary = [s for s in session.lines if s.startswith("ERROR test_markers.py::test_bad_")]
+    assert len(summary) == len(BAD_MARKERS), summary
 
 
-def test_bad_marker_spares_other_tests_with_continue_on_collection_errors(
-    pytester: pytest.Pytester,
-) -> None:
+def test_a_bad_marker_is_an_error_of_its_test_under_xdist(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_markers=bad_marker_module())
+    session = run(pytester, "-p", "xdist", "-n", "2", report=False)
+    session.assert_clean()
+    session.result.assert_outcomes(passed=2, errors=len(BAD_MARKERS))
+    block = setup_error(session, "test_bad_string")
+    assert "test_markers.py::test_bad_string: @pytest.mark.expires('abc'): seconds" in block
+
+
+def test_a_bad_marker_fails_before_the_tests_fixtures(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
-        test_mixed="""
+        test_fixture="""
         import pytest
 
-        @pytest.mark.expires("abc")
-        def test_bad():
+        @pytest.fixture
+        def resource():
+            raise AssertionError("the fixture of a test with a bad marker was set up")
+
+        @pytest.mark.expires(1, setup="x")
+        def test_bad(resource):
             pass
-        """,
-        test_fine="def test_fine():\n    pass\n",
+        """
     )
-    session = run(pytester, "--continue-on-collection-errors", report=False)
+    session = run(pytester, report=False)
     session.assert_clean()
-    session.result.assert_outcomes(passed=1, errors=1)
-    assert session.result.ret == pytest.ExitCode.TESTS_FAILED
-    assert "test_mixed.py::test_bad: @pytest.mark.expires seconds" in session.stdout
+    session.result.assert_outcomes(errors=1)
+    block = setup_error(session, "test_bad")
+    assert "setup must be a number of seconds, not 'x'" in block
+    assert "the fixture of a test with a bad marker was set up" not in session.stdout
 
 
 @pytest.mark.parametrize(
     "source", ["import pytest\n\n@pytest.mark.expires('abc')\ndef test_bad():\n    pass\n", "def ("]
 )
-def test_collection_error_does_not_crash_pytest(pytester: pytest.Pytester, source: str) -> None:
+def test_a_bad_marker_or_module_does_not_crash_pytest(
+    pytester: pytest.Pytester, source: str
+) -> None:
     pytester.makepyfile(test_broken=source)
     session = run(pytester, report=False)
     session.assert_clean()
-    assert session.result.ret == pytest.ExitCode.INTERRUPTED
     session.result.assert_outcomes(errors=1)
     # The short test summary lists the error, and the final summary line follows it.
     assert "ERROR test_broken.py" in session.stdout
     assert re.match(r"^=+ 1 error in [\d.]+s", session.result.outlines[-1])
 
 
-def test_numeric_string_marker_value_is_a_collection_error(pytester: pytest.Pytester) -> None:
+def test_numeric_string_marker_value_is_an_error(pytester: pytest.Pytester) -> None:
     """Text is for the command line and ini files; a marker takes numbers, even for text
     that reads as one, in the budget and in every keyword."""
     pytester.makepyfile(
@@ -101,9 +116,6 @@ def test_numeric_string_marker_value_is_a_collection_error(pytester: pytest.Pyte
         @pytest.mark.expires("1")
         def test_str():
             pass
-        """,
-        test_keyword="""
-        import pytest
 
         @pytest.mark.expires(1, teardown="0.5")
         def test_keyword():
@@ -115,11 +127,10 @@ def test_numeric_string_marker_value_is_a_collection_error(pytester: pytest.Pyte
     session.result.assert_outcomes(errors=2)
     errors = [s for s in session.lines if s.startswith("test_str.py::test_str: ")]
     assert len(errors) == 1, session.stdout
-    assert errors[0].startswith("test_str.py::test_str: @pytest.mark.expires seconds")
-    assert "'1'" in errors[0]
-    errors = [s for s in session.lines if s.startswith("test_keyword.py::test_keyword: ")]
+    assert errors[0].startswith("test_str.py::test_str: @pytest.mark.expires('1'): seconds")
+    errors = [s for s in session.lines if s.startswith("test_str.py::test_keyword: ")]
     assert len(errors) == 1, session.stdout
-    assert "teardown=" in errors[0] and "'0.5'" in errors[0]
+    assert "teardown must be" in errors[0] and "'0.5'" in errors[0]
 
 
 @pytest.mark.parametrize(
@@ -220,8 +231,8 @@ def test_set_label_rejects_non_strings() -> None:
         et.set_label(0)  # type: ignore[arg-type]
 
 
-def test_bad_marker_on_a_module_or_class_names_a_test(pytester: pytest.Pytester) -> None:
-    # Markers of parents are read once per parent: the error still names a test.
+def test_bad_marker_on_a_module_or_class_names_each_test(pytester: pytest.Pytester) -> None:
+    # Markers of parents are read once per parent: each test gets its own error.
     pytester.makepyfile(
         test_module="""
         import pytest
@@ -229,6 +240,9 @@ def test_bad_marker_on_a_module_or_class_names_a_test(pytester: pytest.Pytester)
         pytestmark = pytest.mark.expires(-1)
 
         def test_in_module():
+            pass
+
+        def test_also_in_module():
             pass
         """,
         test_class="""
@@ -238,14 +252,20 @@ def test_bad_marker_on_a_module_or_class_names_a_test(pytester: pytest.Pytester)
         class TestGroup:
             def test_in_class(self):
                 pass
+
+        def test_beside_class():
+            pass
         """,
         test_good="def test_good():\n    pass\n",
     )
-    session = run(pytester, "--continue-on-collection-errors", report=False)
+    session = run(pytester, report=False)
     session.assert_clean()
-    session.result.assert_outcomes(passed=1, errors=2)
-    text = "\n".join(session.lines)
-    assert "test_module.py::test_in_module: @pytest.mark.expires" in text
-    assert "-1" in text
-    assert "test_class.py::TestGroup::test_in_class: @pytest.mark.expires" in text
-    assert "nan" in text
+    session.result.assert_outcomes(passed=2, errors=3)
+    for nodeid, value in (
+        ("test_module.py::test_in_module", "-1"),
+        ("test_module.py::test_also_in_module", "-1"),
+        ("test_class.py::TestGroup::test_in_class", "nan"),
+    ):
+        errors = [s for s in session.lines if s.startswith(f"{nodeid}: @pytest.mark.expires(")]
+        assert len(errors) == 1, session.stdout
+        assert value in errors[0], errors[0]

@@ -35,29 +35,42 @@ ScaledBudgets = tuple[float | None, float | None, float | None]  # setup, call, 
 
 def parse_marker(nodeid: str, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Budgets:
     """The budgets of ``@pytest.mark.expires(*args, **kwargs)`` on test ``nodeid``, or
-    ValueError naming the test and the value."""
-    where = f"{nodeid}: @pytest.mark.expires"
+    ValueError naming the test and the marker as written."""
+    where = f"{nodeid}: @pytest.mark.expires({marker_arguments(args, kwargs)})"
     unknown = sorted(set(kwargs) - set(MARKER_KEYWORDS))
     if unknown:
         raise ValueError(
             f"{where}: unknown keyword {unknown[0]!r} (known: {', '.join(MARKER_KEYWORDS)})"
         )
     if len(args) > 1:
-        raise ValueError(f"{where} takes one positional argument (seconds), got {args!r}")
+        raise ValueError(f"{where}: takes one positional argument (seconds)")
     if args and "seconds" in kwargs:
         raise ValueError(f"{where}: seconds given twice")
     if not args and "seconds" not in kwargs:
-        raise ValueError(f"{where} needs the number of seconds, e.g. expires(5)")
+        raise ValueError(f"{where}: needs the number of seconds, e.g. expires(5)")
     raw = args[0] if args else kwargs["seconds"]
-    seconds = parse_seconds(raw, f"{where} seconds", allow_text=False)
+    seconds = parse_seconds(raw, f"{where}: seconds", allow_text=False)
 
     def keyword(name: str) -> float | None:
         value = kwargs.get(name)
         if value is None:
             return None
-        return parse_seconds(value, f"{where} {name}=", allow_text=False) or None
+        return parse_seconds(value, f"{where}: {name}", allow_text=False) or None
 
     return Budgets(keyword("setup"), seconds or None, keyword("teardown"), keyword("grace"))
+
+
+def marker_arguments(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+    """The marker's arguments as written: ``'abc', setup=2``."""
+    return ", ".join([*map(_text, args), *(f"{k}={_text(v)}" for k, v in kwargs.items())])
+
+
+def _text(value: object) -> str:
+    """``repr(value)``, also for a value whose ``__repr__`` fails."""
+    try:
+        return repr(value)
+    except Exception:
+        return f"<{type(value).__name__} object>"
 
 
 def find_marker(node: pytest.Item | pytest.Collector | None) -> pytest.Mark | None:
@@ -80,11 +93,14 @@ class BudgetBook:
     scale: float
     on_phased: Callable[[], None]
     by_item: dict[pytest.Item, Budgets] = field(default_factory=dict)
+    # Items whose marker is bad, with the error that names the test and the value: the
+    # test alone fails, at its setup (:meth:`check`).
+    errors: dict[pytest.Item, str] = field(default_factory=dict)
     # Scaled budgets of marked tests that ran in other processes (xdist workers).
     reported: dict[str, ScaledBudgets] = field(default_factory=dict)
 
     def add_items(self, nodes: Iterable[Any]) -> None:
-        """Give each item of ``nodes`` its budgets (ValueError for a bad marker); the
+        """Give each item of ``nodes`` its budgets, or its error for a bad marker; the
         marker of a parent is looked up once for its items, not once per item."""
         parent_seen: Any = self
         parent_mark: pytest.Mark | None = None
@@ -96,7 +112,24 @@ class BudgetBook:
                 if node.parent is not parent_seen:
                     parent_seen, parent_mark = node.parent, find_marker(node.parent)
                 mark = parent_mark
-            self.by_item[node] = self.default if mark is None else self._marked(node, mark)
+            try:
+                self.by_item[node] = self.default if mark is None else self._marked(node, mark)
+            except ValueError as exc:
+                self.errors[node] = str(exc)
+            except Exception as exc:  # a value whose own methods fail: still this test's
+                assert mark is not None
+                self.errors[node] = (
+                    f"{node.nodeid}: @pytest.mark.expires"
+                    f"({marker_arguments(mark.args, mark.kwargs)}): "
+                    f"not a number of seconds ({type(exc).__name__})"
+                )
+
+    def check(self, item: pytest.Item) -> None:
+        """Fail the test at its setup if its marker is bad (the error names the test
+        and the value)."""
+        errors = self.errors
+        if errors and item in errors:
+            pytest.fail(errors[item], pytrace=False)
 
     def of(self, item: pytest.Item) -> Budgets:
         """The item's budgets; ValueError naming the test for bad input."""
@@ -134,3 +167,4 @@ class BudgetBook:
 
     def clear(self) -> None:
         self.by_item.clear()
+        self.errors.clear()

@@ -121,15 +121,11 @@ def pytest_collection(session: pytest.Session) -> Generator[None, None, None]:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_make_collect_report(collector: pytest.Collector) -> Any:
-    # Once per collector, not per test: a bad marker fails its module's collection.
+    # Once per collector, not per test. A bad marker is an error of its test alone, at
+    # its setup: the module's other tests run, and every bad marker is named.
     report = yield
     if report.passed and report.result:
-        try:
-            collector.config.stash[SESSION].budgets.add_items(report.result)
-        except ValueError as exc:
-            report.outcome = "failed"
-            report.longrepr = str(exc)
-            report.result = []
+        collector.config.stash[SESSION].budgets.add_items(report.result)
     return report
 
 

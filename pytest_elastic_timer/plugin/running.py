@@ -166,6 +166,8 @@ def begin(item: pytest.Item, *, named: bool = True) -> None:
             return  # a wrapper for the setup budget did it already
         _running.pop().finish()  # the same test runs again (a plugin that reruns tests)
     state = item.config.stash[SESSION]
+    if state.budgets.errors:  # a bad marker: this test's error, before its fixtures
+        state.budgets.check(item)
     running = RunningTest(item, state)
     _running.append(running)
     running.switch("setup", named=named)

@@ -2,7 +2,7 @@
 that names the test (for a marker) and the value.
 
 The parsing functions get many examples in this process; real inner sessions get a few
-batches (one test module per value: a bad marker is a collection error of its module).
+batches (one test per value in one module: a bad marker is an error of its test alone).
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def test_marker_shapes_are_parsed_or_named(args: list[Any], kwargs: dict[str, An
         if unknown:
             assert repr(unknown[0]) in message
         elif len(args) > 1:
-            assert repr(tuple(args)) in message
+            assert "one positional argument" in message
         else:
             assert "seconds" in message
     else:
@@ -124,7 +124,7 @@ SESSIONS = settings(
 )
 
 
-def test_bad_marker_values_in_a_session_are_collection_errors_naming_them(
+def test_bad_marker_values_in_a_session_are_errors_of_their_tests_naming_them(
     pytester: pytest.Pytester,
 ) -> None:
     @SESSIONS
@@ -138,27 +138,20 @@ def test_bad_marker_values_in_a_session_are_collection_errors_naming_them(
         )
     )
     def session(batch: list[tuple[str, tuple[str, Any]]]) -> None:
-        for old in pytester.path.glob("test_v*.py"):
-            old.unlink()
-        for i, (keyword, (source, _)) in enumerate(batch):
-            if keyword in ("", "seconds="):
-                arguments = f"{keyword}{source}"
-            else:
-                arguments = f"1, {keyword}{source}"
-            pytester.makepyfile(
-                **{
-                    f"test_v{i}": f"import pytest\n\n@pytest.mark.expires({arguments})\n"
-                    f"def test_v{i}():\n    pass\n"
-                }
-            )
+        source = "import pytest\n\ndef test_good():\n    pass\n"
+        for i, (keyword, (text, _)) in enumerate(batch):
+            plain = keyword in ("", "seconds=")
+            arguments = f"{keyword}{text}" if plain else f"1, {keyword}{text}"
+            source += f"\n@pytest.mark.expires({arguments})\ndef test_v{i}():\n    pass\n"
+        pytester.makepyfile(test_v=source)
         result = run(pytester, report=False)
         result.assert_clean()
-        result.result.assert_outcomes(errors=len(batch))
+        result.result.assert_outcomes(passed=1, errors=len(batch))
         for i, (_, (_, value)) in enumerate(batch):
             errors = [
                 line
                 for line in result.lines
-                if line.startswith(f"test_v{i}.py::test_v{i}: @pytest.mark.expires")
+                if line.startswith(f"test_v.py::test_v{i}: @pytest.mark.expires")
             ]
             assert len(errors) == 1, f"no error line for test_v{i}:\n{result.stdout}"
             assert mentions(errors[0], value), errors[0]
