@@ -20,8 +20,9 @@ A slot is open when its first word (serial) is non-zero and equal to its last wo
 The owner writes the slot like a seqlock: the other fields and the last word with one
 ``pack_into`` while the first word is 0, then the first word; it clears only the first
 word on exit. The watchdog reads the first word first, so a half-written or closed
-slot never reads as open, and an open one never shows another entry's fields. This
-module imports nothing from pytest.
+slot never reads as open, and an open one never shows another entry's fields. The
+methods of :class:`ScopeTable` that open, close and move a slot are the only code that
+knows this order. This module imports nothing from pytest.
 """
 
 from __future__ import annotations
@@ -38,10 +39,12 @@ VERSION = 1
 HEADER_SIZE = 4096
 SLOT = struct.Struct("<QddQIIIfHHIQ")
 SLOT_SIZE = SLOT.size
-# A test phase's slot, as SLOT with its zero fields as pad bytes (first word, path and
-# site sids, reserved): fewer values to convert for every test.
-PHASE_SLOT = struct.Struct("<8xddQ8xIfHH4xQ")
-assert PHASE_SLOT.size == SLOT.size
+# How an owner writes a slot: SLOT with its zero fields as pad bytes (the first word,
+# published after the rest, and the reserved word), and for a test phase also its path
+# and site sids: fewer values to convert.
+OPEN_SLOT = struct.Struct("<8xddQIIIfHH4xQ")
+OPEN_PHASE_SLOT = struct.Struct("<8xddQ8xIfHH4xQ")
+assert OPEN_SLOT.size == OPEN_PHASE_SLOT.size == SLOT.size
 CAPACITY = 65536
 # Append-only, and every test writes its entry (about 150 bytes): 64 MiB hold some
 # 400,000 tests in one process. The file is sparse: only written pages use memory.
@@ -130,6 +133,7 @@ class ScopeTable:
         self.floats = memoryview(mm)[:HEADER_SIZE].cast("d")
         # u64 view over the slots: slot i's serial is word i * 8.
         self.slot_words = memoryview(mm)[SLOTS_OFFSET:STRINGS_OFFSET].cast("Q")
+        self.slot_floats = memoryview(mm)[SLOTS_OFFSET:STRINGS_OFFSET].cast("d")
 
     # -- creation -----------------------------------------------------------------
     @classmethod
@@ -168,7 +172,7 @@ class ScopeTable:
         return table
 
     def close(self) -> None:
-        for view in (self.words, self.floats, self.slot_words):
+        for view in (self.words, self.floats, self.slot_words, self.slot_floats):
             view.release()
         try:
             self.mm.close()
@@ -207,7 +211,72 @@ class ScopeTable:
             return ""
         return bytes(self.mm[offset + 4 : offset + 4 + length]).decode("utf-8", "replace")
 
-    # -- slots --------------------------------------------------------------------
+    # -- slots: the one home of the seqlock order ---------------------------------
+    # A writer publishes a slot by its first word (the serial), after every other field
+    # and the last word (the serial again); a reader reads the first word first
+    # (``unpack_from`` reads in address order) and takes the slot only when the first
+    # and last words are equal and non-zero. So whenever it sees a serial it sees that
+    # entry's fields, and a slot being written or closed never reads as open.
+    def open_slot(
+        self,
+        index: int,
+        serial: int,
+        deadline: float,
+        start: float,
+        thread_id: int,
+        path_sid: int,
+        site_sid: int,
+        nodeid_sid: int,
+        grace: float,
+        depth: int,
+        flags: int,
+    ) -> None:
+        """Open the closed slot ``index`` (its first word is 0): the fields and the last
+        word in one ``pack_into``, then the first word."""
+        OPEN_SLOT.pack_into(
+            self.mm,
+            SLOTS_OFFSET + index * SLOT_SIZE,
+            deadline,
+            start,
+            thread_id,
+            path_sid,
+            site_sid,
+            nodeid_sid,
+            grace,
+            depth,
+            flags,
+            serial,
+        )
+        self.slot_words[index << 3] = serial
+
+    def open_phase_slot(
+        self,
+        index: int,
+        serial: int,
+        deadline: float,
+        start: float,
+        thread_id: int,
+        nodeid_sid: int,
+        grace: float,
+        depth: int,
+        flags: int,
+    ) -> None:
+        """:meth:`open_slot` for a test phase's scope, which has no path and no site of
+        its own (the test entry at ``nodeid_sid`` names it); fewer values to convert."""
+        OPEN_PHASE_SLOT.pack_into(
+            self.mm,
+            SLOTS_OFFSET + index * SLOT_SIZE,
+            deadline,
+            start,
+            thread_id,
+            nodeid_sid,
+            grace,
+            depth,
+            flags,
+            serial,
+        )
+        self.slot_words[index << 3] = serial
+
     def write_slot(
         self,
         index: int,
@@ -222,14 +291,12 @@ class ScopeTable:
         depth: int,
         flags: int,
     ) -> None:
-        """Write an open slot in seqlock order: first word cleared, the other fields,
-        then the first word. A reader reads the first word first (``unpack_from`` reads
-        in address order), so whenever it sees a serial it sees that entry's fields."""
-        self.slot_words[index * 8] = 0
-        SLOT.pack_into(
-            self.mm,
-            SLOTS_OFFSET + index * SLOT_SIZE,
-            0,
+        """Open slot ``index`` whether it is open or not: closed first, then opened with
+        these fields (a moved deadline under a new serial, a reused slot)."""
+        self.slot_words[index << 3] = 0
+        self.open_slot(
+            index,
+            serial,
             deadline,
             start,
             thread_id,
@@ -239,13 +306,16 @@ class ScopeTable:
             grace,
             depth,
             flags,
-            0,
-            serial,
         )
-        self.slot_words[index * 8] = serial
 
     def clear_slot(self, index: int) -> None:
-        self.slot_words[index * 8] = 0
+        """Close slot ``index``: its first word only."""
+        self.slot_words[index << 3] = 0
+
+    def move_deadline(self, index: int, deadline: float) -> None:
+        """Move the deadline of open slot ``index`` in place, keeping its serial: one
+        aligned 8-byte store, which a reader sees whole, before or after."""
+        self.slot_floats[(index << 3) + 1] = deadline
 
     def read_slot(self, index: int) -> SlotView | None:
         """The slot at ``index`` if it is open and consistent, else None."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import inspect
 import itertools
 import json
 import os
@@ -35,6 +36,12 @@ ENV_ADDRESS = "PYTEST_ELASTIC_TIMER"
 ENV_SCALE = "PYTEST_ELASTIC_TIMER_SCALE"  # scale factor where no watchdog tells it
 
 SignalHandler = Callable[[int, FrameType | None], Any]
+# Where a scope is entered, as ProcessState.lookup_entry finds it: (code or explicit
+# place, parent path, name, site sid, scope path, path sid, whether the code is a
+# coroutine's, by its flags CO_ASYNC: asyncio tasks are cancelled rather than
+# interrupted).
+SiteEntry = tuple[Any, str, str | None, int, str, int, bool]
+CO_ASYNC = inspect.CO_COROUTINE | inspect.CO_ITERABLE_COROUTINE | inspect.CO_ASYNC_GENERATOR
 
 
 def label_from_env() -> str:
@@ -86,13 +93,13 @@ class ProcessState:
         # is shrunk and grown (a realloc each way) by every scope.
         self.free: deque[int] = deque()
         self.hwm = 0
-        self.next_serial = itertools.count(1).__next__
+        self.serials = itertools.count(1)  # next(serials): the serial of a slot opened
         self.sids: dict[str, int] = {}
         self.sites: dict[tuple[CodeType, int], tuple[int, str]] = {}
         # Call sites: id(code) + bytecode offset -> (code, parent, name, *entry()),
         # and every (code or place, offset, parent, name) in the slower dictionary.
-        self.sites_fast: dict[int, tuple[Any, str, str | None, int, str, int]] = {}
-        self.entries: dict[tuple[object, ...], tuple[Any, str, str | None, int, str, int]] = {}
+        self.sites_fast: dict[int, SiteEntry] = {}
+        self.entries: dict[tuple[object, ...], SiteEntry] = {}
         self.paths: dict[tuple[str, str], str] = {}
         self.nodeid = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
         self.nodeid_sid = 0
@@ -252,9 +259,9 @@ class ProcessState:
         parent: str,
         name: str | None,
         timed: bool = True,
-    ) -> tuple[Any, str, str | None, int, str, int]:
-        """(code, parent, name, site sid, scope path, path sid) of a scope entered at
-        ``frame`` (or at ``at``) below ``parent``: the path behind the fast cache."""
+    ) -> SiteEntry:
+        """The :data:`SiteEntry` of a scope entered at ``frame`` (or at ``at``) below
+        ``parent``: the path behind the fast cache."""
         code = frame.f_code
         key = (id(code) if at is None else at, frame.f_lasti, parent, name)
         entry = self.entries.get(key)
@@ -274,6 +281,7 @@ class ProcessState:
                 site_sid,
                 path,
                 self.sid(path) if timed else 0,
+                bool(code.co_flags & CO_ASYNC),
             )
             self.entries[key] = entry
         if at is None:

@@ -15,14 +15,13 @@ is left, so an overrun is never silent even if the signal arrives late.
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
-import struct
 import sys
 import threading
 import traceback
 import warnings
+from collections import deque
 from collections.abc import Callable
 from time import monotonic
 from types import FrameType, TracebackType
@@ -31,13 +30,8 @@ from typing import Any
 from pytest_elastic_timer.core import table as tbl
 from pytest_elastic_timer.scope import client, collectives
 
-_PACK_SLOT = tbl.SLOT.pack_into
-_PACK_PHASE_SLOT = tbl.PHASE_SLOT.pack_into
 _modules = sys.modules
-_CO_ASYNC = inspect.CO_COROUTINE | inspect.CO_ITERABLE_COROUTINE | inspect.CO_ASYNC_GENERATOR
-_DOUBLE = struct.Struct("<d")
-_SLOTS_OFFSET = tbl.SLOTS_OFFSET
-_SLOT_SIZE = tbl.SLOT_SIZE
+_CO_ASYNC = client.CO_ASYNC
 _H_ARMED = tbl.H_ARMED
 _INF = math.inf
 _NUMBERS = (int, float)
@@ -121,13 +115,16 @@ class _AsyncScopeExpired(ScopeExpired):
         )
 
 
-class ScopeStack(list["TimerRequest"]):
+class ScopeStack(deque["TimerRequest"]):
     """The open scopes of one thread, outermost first (:func:`thread_stack`).
 
     ``tid`` is the thread's ident. ``prefix`` is the path that scopes entered at the
     bottom of the stack are named below: the plugin sets it to the test phase the
     thread is in (``test_x::call``) when that phase has no budget, and so no scope of
     its own to name it.
+
+    A deque: a list that a thread's one scope empties and fills again is shrunk and
+    grown (a ``realloc`` each way) by every scope.
     """
 
     __slots__ = ("prefix", "tid")
@@ -322,10 +319,16 @@ class TimerRequest:
         # the entry keeps code, parent and name to recognise a recycled id or another
         # nesting, which then take the slower dictionary.
         code = frame.f_code
+        # (Identity first: a default name is None, which != compares slowly.)
         entry = state.sites_fast.get(id(code) + frame.f_lasti) if at is None else None
-        if entry is None or entry[0] is not code or entry[1] != parent or entry[2] != name:
+        if (
+            entry is None
+            or entry[0] is not code
+            or entry[1] != parent
+            or (entry[2] is not name and entry[2] != name)
+        ):
             entry = state.lookup_entry(frame, at, parent, name, self.after is not None)
-        _, _, _, site_sid, path, path_sid = entry
+        _, _, _, site_sid, path, path_sid, in_coroutine = entry
         self._site_sid = site_sid
         self.path = path
         self._state = state
@@ -334,7 +337,7 @@ class TimerRequest:
             self._delivered = self._cancelled = self._abandoned = False
         # Inside a running event loop the expiry cancels the task (asyncio.timeout's
         # way) instead of raising wherever the loop happens to be.
-        if code.co_flags & _CO_ASYNC:
+        if in_coroutine if at is None else code.co_flags & _CO_ASYNC:
             aio = _modules.get("asyncio")
             self._task = aio.current_task() if aio and aio._get_running_loop() else None
         elif self._task is not None:
@@ -350,12 +353,11 @@ class TimerRequest:
                 path_sid = state.sid(path)
             free = state.free
             slot = self._slot = free.pop() if free else state.alloc()
-            serial = self._serial = state.next_serial()
+            serial = self._serial = next(state.serials)
             grace = self.grace
-            _PACK_SLOT(
-                state.table.mm,
-                _SLOTS_OFFSET + slot * _SLOT_SIZE,
-                0,
+            state.table.open_slot(
+                slot,
+                serial,
                 deadline,
                 now,
                 stack.tid,
@@ -365,12 +367,7 @@ class TimerRequest:
                 0.0 if grace is None else grace,
                 len(stack),
                 self.flags,
-                0,
-                serial,
             )
-            # Seqlock order: the first word (serial) last, so a reader that sees it
-            # (reading first word first) sees every other field of this entry.
-            state.table.slot_words[slot << 3] = serial
             armed = state.armed[_H_ARMED]
             if deadline < armed or not armed:
                 state.notify(deadline)
@@ -412,7 +409,7 @@ class TimerRequest:
             return  # entered before a fork: the parent's slots are not ours
         slot = self._slot
         if slot >= 0:
-            state.table.slot_words[slot << 3] = 0
+            state.table.clear_slot(slot)
             state.free.append(slot)
             self._slot = -1
         if state.trace is not None:
@@ -448,7 +445,7 @@ class TimerRequest:
         self._deadline = _INF
         state = self._state
         if state is not None and self._slot >= 0 and state is _state:
-            state.table.slot_words[self._slot << 3] = 0
+            state.table.clear_slot(self._slot)
             state.free.append(self._slot)
             self._slot = -1
 
@@ -481,7 +478,7 @@ class TimerRequest:
         if self._slot < 0 and state is _state:
             self._slot = state.alloc()
         if self._slot >= 0 and state is _state:
-            self._serial = state.next_serial()
+            self._serial = next(state.serials)
             stack = self._stack
             state.table.write_slot(
                 self._slot,
@@ -583,10 +580,10 @@ def enter_test_phase(scope: TimerRequest, stack: ScopeStack) -> TimerRequest:
     deadline = scope._deadline = now + after * state.scale
     free = state.free
     slot = scope._slot = free.pop() if free else state.alloc()
-    serial = scope._serial = state.next_serial()
-    _PACK_PHASE_SLOT(
-        state.table.mm,
-        _SLOTS_OFFSET + slot * _SLOT_SIZE,
+    serial = scope._serial = next(state.serials)
+    state.table.open_phase_slot(
+        slot,
+        serial,
         deadline,
         now,
         stack.tid,
@@ -594,9 +591,7 @@ def enter_test_phase(scope: TimerRequest, stack: ScopeStack) -> TimerRequest:
         0.0 if grace is None else grace,
         len(stack),
         flags,
-        serial,
     )
-    state.table.slot_words[slot << 3] = serial  # last, as in __enter__
     armed = state.armed[_H_ARMED]
     if deadline < armed or not armed:
         state.notify(deadline)
@@ -628,7 +623,7 @@ def leave_test_phase(scope: TimerRequest, exc: BaseException | None) -> None:
     stack.pop()
     slot = scope._slot
     if slot >= 0:
-        state.table.slot_words[slot << 3] = 0
+        state.table.clear_slot(slot)
         state.free.append(slot)
         scope._slot = -1
 
@@ -673,7 +668,7 @@ def _close_abandoned(stack: ScopeStack, scope: TimerRequest) -> None:
     enclosing one (a test's phase) and expires in somebody else's code."""
     index = stack.index(scope)
     close_above(stack, index + 1, scope.path)
-    del stack[index:]
+    stack.pop()  # scope itself
 
 
 # Every file of the package, whichever subpackage it lies in, ends with this prefix.
@@ -692,14 +687,13 @@ def _user_stacklevel() -> int:
 
 def close_above(stack: ScopeStack, depth: int, ending: str) -> None:
     """Close the scopes of ``stack`` from ``depth`` up, which ``ending`` outlived."""
-    abandoned = stack[depth:]
-    del stack[depth:]
+    abandoned = [stack.pop() for _ in range(len(stack) - depth)][::-1]
     for inner in abandoned:
         state = inner._state
         inner._state = None
         inner._abandoned = True
         if state is not None and state is _state and inner._slot >= 0:
-            state.table.slot_words[inner._slot << 3] = 0
+            state.table.clear_slot(inner._slot)
             state.free.append(inner._slot)
             inner._slot = -1
     names = ", ".join(repr(s.path) for s in abandoned)
@@ -921,11 +915,7 @@ def resume() -> None:
         for scope in list(stack):
             if scope._slot >= 0 and not scope._cancelled:
                 scope._deadline += paused
-                state.table.mm[
-                    _SLOTS_OFFSET + scope._slot * _SLOT_SIZE + 8 : _SLOTS_OFFSET
-                    + scope._slot * _SLOT_SIZE
-                    + 16
-                ] = _DOUBLE.pack(scope._deadline)
+                state.table.move_deadline(scope._slot, scope._deadline)
                 earliest = min(earliest, scope._deadline)
     state.table.floats[tbl.H_SUSPENDED] = 0.0
     if earliest < _INF:
@@ -940,7 +930,12 @@ _CRITICAL.update(
         TimerRequest.cancel.__code__,
         enter_test_phase.__code__,
         leave_test_phase.__code__,
+        tbl.ScopeTable.open_slot.__code__,
+        tbl.ScopeTable.open_phase_slot.__code__,
+        tbl.ScopeTable.write_slot.__code__,
+        tbl.ScopeTable.clear_slot.__code__,
         client.ProcessState.alloc.__code__,
+        client.ProcessState.lookup_entry.__code__,
         client.ProcessState.notify.__code__,
         client.ProcessState.send.__code__,
         client.ProcessState.sid.__code__,
