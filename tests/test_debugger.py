@@ -37,13 +37,13 @@ def test_without_debugger_the_same_scope_expires() -> None:
 
 
 def test_coverage_style_tracer_is_not_a_debugger() -> None:
-    from pytest_elastic_timer.scope.scopes import _under_debugger
+    from pytest_elastic_timer.scope.delivery import under_debugger
 
     def plain_tracer(frame: object, event: str, arg: object) -> None:
         return None
 
     sys.settrace(plain_tracer)  # type: ignore[arg-type]
     try:
-        assert not _under_debugger()
+        assert not under_debugger()
     finally:
         sys.settrace(None)

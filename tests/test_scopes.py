@@ -22,9 +22,9 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import pytest_elastic_timer as et
-from pytest_elastic_timer.scope import scopes
+from pytest_elastic_timer.scope import delivery, scopes
 
-EARLY = scopes._EARLY  # a signal is honoured this much before a deadline
+EARLY = delivery.EARLY  # a signal is honoured this much before a deadline
 
 
 def _scale() -> float:

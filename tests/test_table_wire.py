@@ -353,20 +353,6 @@ def test_test_entry_round_trip(table: tbl.ScopeTable) -> None:
     assert tbl.split_test_entry("t.py::test_plain") == ("t.py::test_plain", "", "")
 
 
-def test_set_test_writes_the_test_entry() -> None:
-    """ProcessState.set_test writes test_entry's string inline: the two agree."""
-    from pytest_elastic_timer.scope import scopes
-
-    state = scopes.process_state()
-    nodeid, sid = state.nodeid, state.nodeid_sid  # the running test's, put back below
-    try:
-        state.set_test("t.py::test_é[1]", "test_é[1]", "/r/t.py", 7)
-        written = state.table.string(state.nodeid_sid)
-    finally:
-        state.nodeid, state.nodeid_sid = nodeid, sid
-    assert written == tbl.test_entry("t.py::test_é[1]", "test_é[1]", "/r/t.py", 7)
-
-
 def test_a_lone_surrogate_is_replaced_not_an_error(table: tbl.ScopeTable) -> None:
     sid = table.add_string("scope-\udc80-end")
     assert table.string(sid) == "scope-?-end"

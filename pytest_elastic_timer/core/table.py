@@ -79,8 +79,7 @@ _PHASE_NAMES = {code: name for name, code in PHASE_FLAGS.items()}
 
 def test_entry(nodeid: str, name: str, path: str, line: int) -> str:
     """One test's string in the table: its nodeid, name and ``path:line`` of its
-    definition (``ProcessState.set_test`` writes the same f-string inline: every test
-    makes one, and this f-string costs some 1,900 instructions, ``str.format`` 3,400)."""
+    definition, which the slots of the test's phase scopes point at."""
     return f"{nodeid}\0{name}\0{path}:{line}"
 
 

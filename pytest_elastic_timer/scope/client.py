@@ -321,7 +321,7 @@ class ProcessState:
         """The test this process runs from now on; its one string in the table names
         the test's phase scopes too (see ``table.test_entry``)."""
         self.nodeid = nodeid
-        self.nodeid_sid = self.table.add_string(f"{nodeid}\0{name}\0{path}:{line}")
+        self.nodeid_sid = self.table.add_string(tbl.test_entry(nodeid, name, path, line))
 
     def restore_test(self, nodeid: str, sid: int, phase: str) -> None:
         """Back to an earlier test (or none) in ``phase``, as :meth:`set_test` had

@@ -1,16 +1,16 @@
-"""Timer scopes: where a deadline is entered, nested, moved and delivered.
+"""Timer scopes: where a deadline is entered, nested and moved.
 
-A scope is a :class:`TimerRequest`. Entering it writes one slot into this process's
-shared table (see :mod:`.table`); leaving it clears the slot. Nesting follows Trio's
-cancel scopes: the earliest deadline among the enclosing scopes is in force, and when
-several have passed, the outermost expired scope is credited.
+A scope is a :class:`TimerRequest`. Entering it opens one slot in this process's
+shared table (:mod:`pytest_elastic_timer.core.table`); leaving it closes the slot.
+Nesting follows Trio's cancel scopes: the earliest deadline among the enclosing scopes
+is in force, and when several have passed, the outermost expired scope is credited.
 
-Delivery: the enforcer (the watchdog, or the in-process sentinel) sends this process
-its interrupt signal at a deadline. The handler runs in the main thread, finds the
-outermost expired scope of every thread, raises :class:`ScopeExpired` there (directly
-in the main thread, through ``PyThreadState_SetAsyncExc`` elsewhere) and reports the
-stack to the watchdog. A scope that is still open at its deadline also raises when it
-is left, so an overrun is never silent even if the signal arrives late.
+At a deadline the enforcer (the watchdog, or the in-process sentinel) sends this
+process its interrupt signal. The handler here applies the nesting rules (which scope
+of each thread is credited) and hands :class:`ScopeExpired` to
+:mod:`pytest_elastic_timer.scope.delivery` (raise here, in another thread, or cancel an
+asyncio task). A scope that is still open at its deadline also raises when it is left,
+so an overrun is never silent even if the signal arrives late.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import math
 import os
 import sys
 import threading
-import traceback
 import warnings
 from collections import deque
 from collections.abc import Callable
@@ -28,91 +27,42 @@ from types import FrameType, TracebackType
 from typing import Any
 
 from pytest_elastic_timer.core import table as tbl
-from pytest_elastic_timer.scope import client, collectives
+from pytest_elastic_timer.scope import client, collectives, delivery
+from pytest_elastic_timer.scope.delivery import ScopeExpired, TimeoutException
+
+__all__ = [
+    "ScopeExpired",
+    "ScopeStack",
+    "TimeoutException",
+    "TimerRequest",
+    "close_above",
+    "current_scope",
+    "current_state",
+    "enter_test_phase",
+    "expires",
+    "expiry_listeners",
+    "leave_test_phase",
+    "phase_scope",
+    "process_state",
+    "reattach",
+    "resume",
+    "set_aside",
+    "set_label",
+    "suspend",
+    "thread_stack",
+]
 
 _modules = sys.modules
 _CO_ASYNC = client.CO_ASYNC
 _H_ARMED = tbl.H_ARMED
 _INF = math.inf
 _NUMBERS = (int, float)
-STACK_FRAMES = 25  # innermost frames kept in a reported stack
-_EARLY = 0.001  # a signal is honoured up to 1 ms before the deadline (clock granularity)
+_EARLY = delivery.EARLY
 
-
-class ScopeExpired(TimeoutError):
-    """A timer scope overran its budget.
-
-    Attributes: ``scope`` (the scope path, e.g. ``test_train::call/allreduce``),
-    ``budget`` and ``elapsed`` (seconds), ``pid`` of the owner, ``action`` (what ended
-    the scope: ``interrupted`` when raised in the owner), ``site`` (``file:line``
-    where the scope was entered) and ``label`` (e.g. ``rank 0``).
-    """
-
-    def __init__(
-        self,
-        scope: str = "",
-        budget: float = 0.0,
-        elapsed: float = 0.0,
-        pid: int = 0,
-        action: str = "interrupted",
-        site: str = "",
-        label: str = "",
-    ) -> None:
-        self.scope = scope
-        self.budget = budget
-        self.elapsed = elapsed
-        self.pid = pid
-        self.action = action
-        self.site = site
-        self.label = label
-        super().__init__(self.line())
-
-    def line(self) -> str:
-        """The one-line summary that starts every report of this expiry."""
-        return (
-            f"scope {self.scope!r} expired after {self.elapsed:.2f}s "
-            f"(budget {self.budget:g}s): {self.action}"
-        )
-
-    def __str__(self) -> str:
-        return self.line()
-
-    def __reduce__(self) -> Any:  # crosses process boundaries (multiprocessing) intact
-        return (
-            type(self),
-            (self.scope, self.budget, self.elapsed, self.pid, self.action, self.site, self.label),
-        )
-
-
-ScopeExpired.__module__ = "pytest_elastic_timer"
-TimeoutException = ScopeExpired
 
 # Called (without arguments) whenever a ScopeExpired is about to be raised here: the
 # plugin starts looking at reports then.
 expiry_listeners: list[Callable[[], None]] = []
-
-# Exceptions waiting to be raised in threads other than main, by thread ident.
-_pending: dict[int, ScopeExpired] = {}
-
-
-class _AsyncScopeExpired(ScopeExpired):
-    """Raised in a non-main thread: ``PyThreadState_SetAsyncExc`` takes a class, so the
-    instance picks up the details the handler left for its thread."""
-
-    def __init__(self, *args: Any) -> None:
-        if args:
-            super().__init__(*args)
-            return
-        details = _pending.pop(threading.get_ident(), None) or ScopeExpired()
-        super().__init__(
-            details.scope,
-            details.budget,
-            details.elapsed,
-            details.pid,
-            details.action,
-            details.site,
-            details.label,
-        )
 
 
 class ScopeStack(deque["TimerRequest"]):
@@ -222,7 +172,6 @@ def _forget_after_fork() -> None:
     _tls = threading.local()
     _stacks.clear()
     _detached.clear()
-    _pending.clear()
 
 
 if hasattr(os, "register_at_fork"):  # POSIX; on Windows nothing forks
@@ -250,11 +199,9 @@ class TimerRequest:
     session's scale factor when the scope is entered.
     """
 
-    # Class-level defaults, for the attributes the hot path does not read. Those it
-    # reads, __init__ stores: on Python 3.11 reading an instance attribute is
-    # specialized (some 60 instructions), but reading a class attribute through an
-    # instance is not (some 250, and a type-cache lookup). No __slots__ on purpose:
-    # instance attributes of plain classes are as fast.
+    # Class-level defaults, for the attributes that entering and leaving do not read;
+    # those they read, __init__ stores on the instance (docs/design.md, "What a test
+    # costs", says why).
     flags = 0
     # A detached scope is not part of the thread's nesting (nor of scope paths): a
     # session-wide budget around everything, or a torch-style acquire/release.
@@ -319,7 +266,7 @@ class TimerRequest:
         # the entry keeps code, parent and name to recognise a recycled id or another
         # nesting, which then take the slower dictionary.
         code = frame.f_code
-        # (Identity first: a default name is None, which != compares slowly.)
+        # (Names are compared by identity first: usually the very same object.)
         entry = state.sites_fast.get(id(code) + frame.f_lasti) if at is None else None
         if (
             entry is None
@@ -418,7 +365,7 @@ class TimerRequest:
             )
         if self._delivered:
             task = self._task
-            if task is not None and _is_our_cancel(exc, self):
+            if task is not None and delivery.is_our_cancel(exc, self.path):
                 if hasattr(task, "uncancel"):  # Python 3.11+
                     task.uncancel()
                 raise _report(self, monotonic(), "interrupted", None, task=task) from exc
@@ -428,8 +375,8 @@ class TimerRequest:
             now = monotonic()
             if (
                 now > self._deadline
-                and now > self._deadline + _paused(state, now)
-                and not _under_debugger()
+                and now > self._deadline + delivery.paused(state, now)
+                and not delivery.under_debugger()
             ):
                 self._delivered = True
                 raise _report(self, now, "interrupted", sys._getframe(1))
@@ -706,41 +653,10 @@ def close_above(stack: ScopeStack, depth: int, ending: str) -> None:
 
 
 # -- delivery ------------------------------------------------------------------------
-def _paused(state: client.ProcessState, now: float) -> float:
-    since = state.table.floats[tbl.H_SUSPENDED]
-    return now - since if since else 0.0
-
-
 def _budget_of(scope: TimerRequest) -> float:
     """The scope's budget as entered, moved by reschedule() or extend() since."""
     budget = scope._deadline - scope._start
     return round(budget, 3) if budget < _INF else 0.0  # as the watchdog's records say
-
-
-def _is_our_cancel(exc: BaseException | None, scope: TimerRequest) -> bool:
-    aio = sys.modules.get("asyncio")
-    return (
-        aio is not None
-        and isinstance(exc, aio.CancelledError)
-        and bool(exc.args)
-        and exc.args[0] == _cancel_message(scope)
-    )
-
-
-def _cancel_message(scope: TimerRequest) -> str:
-    return f"pytest-elastic-timer: scope {scope.path!r} expired"
-
-
-def _task_stacks(tasks: Any) -> str:
-    """Where each of ``tasks`` is suspended, innermost frame last."""
-    out = []
-    for task in tasks:
-        frames = task.get_stack(limit=STACK_FRAMES)
-        lines = traceback.format_list(
-            [(f.f_code.co_filename, f.f_lineno, f.f_code.co_name, None) for f in frames]
-        )
-        out.append(f"Task {task.get_name()} ({task.get_coro()!r}):\n" + "".join(lines))
-    return "\n".join(out)
 
 
 def _report(
@@ -762,54 +678,14 @@ def _report(
     if task is not None:
         return exc  # reported when the cancellation was asked for
     if state is not None:
-        stack = "".join(traceback.format_stack(frame, limit=STACK_FRAMES)) if frame else ""
-        aio = sys.modules.get("asyncio")
-        loop = aio._get_running_loop() if aio is not None else None
-        if (
-            aio is not None
-            and loop is not None
-            and threading.current_thread() is threading.main_thread()
-        ):
-            # The loop was interrupted in its selector: say where its tasks wait.
-            tasks = _task_stacks(aio.all_tasks(loop))
-            if hasattr(exc, "add_note"):  # Python 3.11+
-                exc.add_note(f"event loop tasks when the scope expired:\n{tasks}")
-            stack = f"{stack}\n{tasks}"
-        _tell_expired(state, scope, now, stack)
+        _tell_expired(state, scope, now, delivery.owner_stack(frame, exc))
     return exc
 
 
 def _tell_expired(state: client.ProcessState, scope: TimerRequest, now: float, stack: str) -> None:
-    """Tell the watchdog that ``scope`` expired here, and where the owner was."""
-    state.send(
-        "expired",
-        serial=scope._serial,
-        scope=scope.path,
-        budget=_budget_of(scope),
-        elapsed=now - scope._start,
-        site=scope.site,
-        nodeid=state.nodeid,
-        stack=stack[-64_000:],
+    delivery.tell_expired(
+        state, scope._serial, scope.path, _budget_of(scope), now - scope._start, scope.site, stack
     )
-
-
-_CRITICAL: set[Any] = set()
-
-
-def _in_critical_section(frame: FrameType | None) -> bool:
-    depth = 0
-    while frame is not None and depth < 4:
-        if frame.f_code in _CRITICAL:
-            return True
-        frame = frame.f_back
-        depth += 1
-    return False
-
-
-def _retry_soon(state: client.ProcessState) -> None:
-    timer = threading.Timer(0.002, os.kill, (os.getpid(), state.interrupt_sig))
-    timer.daemon = True
-    timer.start()
 
 
 def _on_interrupt(signum: int, frame: FrameType | None) -> None:
@@ -819,7 +695,7 @@ def _on_interrupt(signum: int, frame: FrameType | None) -> None:
     if state is None or state.table.floats[tbl.H_SUSPENDED]:
         return
     now = monotonic()
-    if _under_debugger():
+    if delivery.under_debugger():
         _postpone_expired(now)
         return
     main = threading.main_thread().ident
@@ -833,49 +709,23 @@ def _on_interrupt(signum: int, frame: FrameType | None) -> None:
             if scope._delivered or scope._cancelled or scope._deadline > now + _EARLY:
                 continue
             where = frame if tid == main else frames.get(tid)
-            if _in_critical_section(where):
-                _retry_soon(state)
+            if delivery.in_critical_section(where):
+                delivery.retry_soon(state)
                 break
             for inner in candidates[candidates.index(scope) :]:
                 inner._delivered = True  # the exception unwinds through them
             if scope._task is not None and not scope._task.done():
-                _cancel_task(state, scope, now)
+                delivery.cancel_task(scope._task, scope.path)
+                _tell_expired(state, scope, now, delivery.task_stacks([scope._task]))
                 break
             exc = _report(scope, now, "interrupted", where)
             if tid == main:
                 raise_here = scope.on_expire(exc) if scope.on_expire else exc
             else:
-                _pending[tid] = exc
-                _async_raise(tid)
+                delivery.raise_in_thread(tid, exc)
             break
     if raise_here is not None:
         raise raise_here
-
-
-def _cancel_task(state: client.ProcessState, scope: TimerRequest, now: float) -> None:
-    """Cancel the task that entered ``scope``; its ``__exit__`` raises ScopeExpired."""
-    task = scope._task
-    task.get_loop().call_soon_threadsafe(task.cancel, _cancel_message(scope))
-    _tell_expired(state, scope, now, _task_stacks([task]))
-
-
-_DEBUGGER_MODULES = ("bdb", "pdb", "pydevd", "debugpy", "_pydevd", "pudb", "IPython")
-
-
-def _under_debugger() -> bool:
-    """Whether a debugger's trace function runs in this thread (coverage's does not
-    count: it is a C tracer from its own module)."""
-    trace = sys.gettrace()
-    if trace is None:
-        return False
-    owner = getattr(trace, "__self__", trace)
-    bdb = _modules.get("bdb")
-    if bdb is not None and isinstance(owner, bdb.Bdb):  # pdb and every Bdb subclass
-        return True
-    module = getattr(type(owner), "__module__", "") or ""
-    if module == "builtins":
-        module = getattr(trace, "__module__", "") or ""
-    return module.split(".")[0] in _DEBUGGER_MODULES
 
 
 def _postpone_expired(now: float) -> None:
@@ -885,14 +735,6 @@ def _postpone_expired(now: float) -> None:
     for scope in open_scopes + list(_detached.values()):
         if not scope._cancelled and scope._deadline <= now + _EARLY and scope.active:
             scope._set_deadline(now + max(1.0, scope._deadline - scope._start))
-
-
-def _async_raise(tid: int) -> None:
-    import ctypes
-
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(
-        ctypes.c_ulong(tid), ctypes.py_object(_AsyncScopeExpired)
-    )
 
 
 # -- debugger suspension -------------------------------------------------------------
@@ -922,26 +764,13 @@ def resume() -> None:
         state.notify(earliest)
 
 
-_CRITICAL.update(
-    {
-        TimerRequest.__enter__.__code__,
-        TimerRequest.__exit__.__code__,
-        TimerRequest._set_deadline.__code__,
-        TimerRequest.cancel.__code__,
-        enter_test_phase.__code__,
-        leave_test_phase.__code__,
-        tbl.ScopeTable.open_slot.__code__,
-        tbl.ScopeTable.open_phase_slot.__code__,
-        tbl.ScopeTable.write_slot.__code__,
-        tbl.ScopeTable.clear_slot.__code__,
-        client.ProcessState.alloc.__code__,
-        client.ProcessState.lookup_entry.__code__,
-        client.ProcessState.notify.__code__,
-        client.ProcessState.send.__code__,
-        client.ProcessState.sid.__code__,
-        client.ProcessState.site.__code__,
-        client.ProcessState.path.__code__,
-        resume.__code__,
-        _report.__code__,
-    }
+delivery.mark_critical(
+    TimerRequest.__enter__,
+    TimerRequest.__exit__,
+    TimerRequest._set_deadline,
+    TimerRequest.cancel,
+    enter_test_phase,
+    leave_test_phase,
+    resume,
+    _report,
 )
