@@ -1,4 +1,6 @@
-"""Helpers for the plugin tests: run an inner pytest session and read what it reported."""
+"""Helpers for the tests: run an inner pytest session and read what it reported; talk to
+a watchdog by hand (:class:`RawClient`, :func:`pump`, :func:`write_slot`); wait for a
+process to go (:func:`wait_gone`)."""
 
 from __future__ import annotations
 
@@ -6,14 +8,18 @@ import contextlib
 import json
 import os
 import re
+import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
+
+from pytest_elastic_timer.core import table as tbl
+from pytest_elastic_timer.core import wire
 
 try:
     from pytest_elastic_timer.core.startup import ENV_DUMP_SIGNAL
@@ -274,3 +280,95 @@ def lead(session: Session, name: str) -> str:
     """The first line of test ``name``'s failure, after xdist's ``[gw0] linux -- ...``."""
     lines = failure_block(session, name).splitlines()[1:]
     return next((s for s in lines if s.strip() and not re.match(r"^\[gw\d+\] ", s)), "")
+
+
+# -- a watchdog by hand ------------------------------------------------------------------
+def pump(dog: Any, until: Callable[[], bool], timeout: float = 5.0) -> bool:
+    """Run ``dog``'s loop (a watchdog in this process) step by step until ``until()``
+    holds; whether it held within ``timeout`` seconds."""
+    give_up = time.monotonic() + timeout
+    while time.monotonic() < give_up:
+        if until():
+            return True
+        dog.run_once(max_wait=0.01)
+    return until()
+
+
+def write_slot(
+    table: tbl.ScopeTable,
+    index: int,
+    *,
+    serial: int,
+    deadline: float,
+    start: float = 0.0,
+    thread_id: int = 1,
+    path_sid: int = 0,
+    site_sid: int = 0,
+    nodeid_sid: int = 0,
+    grace: float = 0.0,
+    depth: int = 0,
+    flags: int = 0,
+) -> None:
+    """Open slot ``index`` of ``table`` as an owner would, fields by name."""
+    table.write_slot(
+        index,
+        serial,
+        deadline,
+        start,
+        thread_id,
+        path_sid,
+        site_sid,
+        nodeid_sid,
+        grace,
+        depth,
+        flags,
+    )
+
+
+class RawClient:
+    """A hand-made connection to a watchdog socket: any datagram, as is. The one raw
+    client of the tests (a watchdog run in the test's own process takes :func:`pump`
+    between a send and an answer)."""
+
+    def __init__(self, address: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        # Large enough for a datagram over wire.MAX_MESSAGE (root may force it).
+        with contextlib.suppress(OSError):
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 * wire.MAX_MESSAGE)
+        with contextlib.suppress(OSError, AttributeError):
+            force = getattr(socket, "SO_SNDBUFFORCE", 32)
+            self.sock.setsockopt(socket.SOL_SOCKET, force, 4 * wire.MAX_MESSAGE)
+        self.sock.connect(address)
+
+    def __enter__(self) -> RawClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def send(self, data: bytes) -> None:
+        self.sock.settimeout(10)
+        self.sock.send(data)
+
+    def ask(self, data: bytes, timeout: float = 2.0) -> tuple[str, dict[str, Any]] | None:
+        """Send ``data``; the answer, or None if none came within ``timeout``."""
+        self.send(data)
+        self.sock.settimeout(timeout)
+        try:
+            answer = self.sock.recv(wire.MAX_MESSAGE)
+        except (TimeoutError, ConnectionError):
+            return None
+        return wire.decode(answer) if answer else None
+
+    def closed_by_peer(self, timeout: float = 3.0) -> bool:
+        """Whether the other side closed this connection (EOF) within ``timeout``."""
+        self.sock.settimeout(timeout)
+        try:
+            return self.sock.recv(1) == b""
+        except TimeoutError:
+            return False
+        except ConnectionError:
+            return True
+
+    def close(self) -> None:
+        self.sock.close()

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import write_slot
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -63,7 +64,17 @@ def test_open_sees_what_the_owner_writes(table: tbl.ScopeTable) -> None:
     other = tbl.ScopeTable.open(table.path)
     try:
         sid = table.add_string("test_x::call/load")
-        table.write_slot(0, 7, 12.5, 10.0, 99, sid, 0, 0, 1.5, 0, tbl.FLAG_TEST_PHASE)
+        write_slot(
+            table,
+            0,
+            serial=7,
+            deadline=12.5,
+            start=10.0,
+            thread_id=99,
+            path_sid=sid,
+            grace=1.5,
+            flags=tbl.FLAG_TEST_PHASE,
+        )
         table.words[tbl.H_HWM] = 1
         (slot,) = other.open_slots()
         assert other.string(slot.path_sid) == "test_x::call/load"
@@ -99,7 +110,7 @@ def test_anonymous_table() -> None:
     anonymous = tbl.ScopeTable.create(None)
     try:
         assert anonymous.path is None
-        anonymous.write_slot(3, 1, 2.0, 1.0, 5, 0, 0, 0, 0.0, 0, 0)
+        write_slot(anonymous, 3, serial=1, deadline=2.0, start=1.0, thread_id=5)
         anonymous.words[tbl.H_HWM] = 4
         assert [s.index for s in anonymous.open_slots()] == [3]
     finally:
@@ -137,7 +148,7 @@ def test_slot_round_trip(
 
 
 def test_torn_slot_is_not_open(table: tbl.ScopeTable) -> None:
-    table.write_slot(2, 41, 5.0, 1.0, 1, 0, 0, 0, 0.0, 0, 0)
+    write_slot(table, 2, serial=41, deadline=5.0, start=1.0)
     table.words[tbl.H_HWM] = 3
     assert table.read_slot(2) is not None
     # The last word (a copy of the serial) is written last: until then, not open.
@@ -148,7 +159,7 @@ def test_torn_slot_is_not_open(table: tbl.ScopeTable) -> None:
 
 def test_open_slots_stop_at_the_high_water_mark(table: tbl.ScopeTable) -> None:
     for index in (0, 1, 5):
-        table.write_slot(index, index + 1, 1.0, 0.0, 1, 0, 0, 0, 0.0, 0, 0)
+        write_slot(table, index, serial=index + 1, deadline=1.0)
     table.words[tbl.H_HWM] = 2
     assert [s.index for s in table.open_slots()] == [0, 1]
     table.words[tbl.H_HWM] = 6
@@ -373,10 +384,10 @@ def test_long_strings_are_cut_at_4096_bytes(table: tbl.ScopeTable) -> None:
 
 def test_due_slots_splits_open_slots_at_now(table: tbl.ScopeTable) -> None:
     table.words[tbl.H_HWM] = 4
-    table.write_slot(0, 11, 5.0, 1.0, 7, 0, 0, 0, 0.0, 0, 0)  # due
-    table.write_slot(1, 12, 20.0, 1.0, 7, 0, 0, 0, 0.0, 1, 0)  # later
-    table.write_slot(2, 13, 15.0, 1.0, 7, 0, 0, 0, 0.0, 2, 0)  # later, earliest
-    table.write_slot(3, 14, 2.0, 1.0, 7, 0, 0, 0, 0.0, 3, 0)
+    write_slot(table, 0, serial=11, deadline=5.0, start=1.0, thread_id=7)  # due
+    write_slot(table, 1, serial=12, deadline=20.0, start=1.0, thread_id=7, depth=1)  # later
+    write_slot(table, 2, serial=13, deadline=15.0, start=1.0, thread_id=7, depth=2)  # earliest
+    write_slot(table, 3, serial=14, deadline=2.0, start=1.0, thread_id=7, depth=3)
     table.clear_slot(3)  # closed: neither due nor counted
     earliest, due = table.due_slots(10.0)
     assert earliest == 15.0

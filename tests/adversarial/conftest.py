@@ -10,7 +10,7 @@
   time" after whatever a test threw at the watchdog.
 - :func:`outsider`: a process that is *not* a member of the session (double-forked in a
   new session, adopted by init or an outer subreaper, never by this process).
-- :class:`Raw`: a hand-made socket client that sends arbitrary datagrams.
+- ``helpers.RawClient``: a hand-made socket client that sends arbitrary datagrams.
 
 Every test here also runs under the suite's autouse leftover check
 (``tests/conftest.py``): no process and no session directory may be left behind.
@@ -24,7 +24,6 @@ import ctypes.util
 import json
 import os
 import selectors
-import socket
 import subprocess
 import sys
 import textwrap
@@ -35,6 +34,7 @@ from typing import Any
 
 import psutil
 import pytest
+from helpers import RawClient, wait_gone
 
 from pytest_elastic_timer.core import startup, wire
 from pytest_elastic_timer.plugin import launcher
@@ -129,7 +129,7 @@ class Dog:
 
     def sync(self) -> dict[str, Any]:
         """Ask the watchdog for its "synced" answer: it read everything sent before."""
-        with Raw(self.address) as raw:
+        with RawClient(self.address) as raw:
             answer = raw.ask(wire.encode("sync"), timeout=10)
         assert answer is not None, "the watchdog did not answer"
         return answer[1]
@@ -216,53 +216,6 @@ class Probe:
         return elapsed
 
 
-class Raw:
-    """A hand-made connection to a watchdog socket: any datagram, as is."""
-
-    def __init__(self, address: str) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        # Large enough for a datagram over wire.MAX_MESSAGE (root may force it).
-        with contextlib.suppress(OSError):
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 * wire.MAX_MESSAGE)
-        with contextlib.suppress(OSError, AttributeError):
-            force = getattr(socket, "SO_SNDBUFFORCE", 32)
-            self.sock.setsockopt(socket.SOL_SOCKET, force, 4 * wire.MAX_MESSAGE)
-        self.sock.connect(address)
-
-    def __enter__(self) -> Raw:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def send(self, data: bytes) -> None:
-        self.sock.settimeout(10)
-        self.sock.send(data)
-
-    def ask(self, data: bytes, timeout: float = 2.0) -> tuple[str, dict[str, Any]] | None:
-        """Send ``data``; the answer, or None if none came within ``timeout``."""
-        self.send(data)
-        self.sock.settimeout(timeout)
-        try:
-            answer = self.sock.recv(wire.MAX_MESSAGE)
-        except (TimeoutError, ConnectionError):
-            return None
-        return wire.decode(answer) if answer else None
-
-    def closed_by_peer(self, timeout: float = 3.0) -> bool:
-        """Whether the other side closed this connection (EOF) within ``timeout``."""
-        self.sock.settimeout(timeout)
-        try:
-            return self.sock.recv(1) == b""
-        except TimeoutError:
-            return False
-        except ConnectionError:
-            return True
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 # -- processes outside the session -----------------------------------------------------
 _PR_SET_CHILD_SUBREAPER = 36
 _PR_GET_CHILD_SUBREAPER = 37
@@ -327,20 +280,6 @@ def outsider(
         with contextlib.suppress(psutil.Error):
             proc.kill()
         wait_gone(proc.pid, 5.0)  # not our child: init (or an outer subreaper) reaps it
-
-
-def wait_gone(pid: int, timeout: float) -> bool:
-    """Whether process ``pid`` ends (or is a zombie) within ``timeout`` seconds."""
-    give_up = time.monotonic() + timeout
-    while True:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        if time.monotonic() > give_up:
-            return False
-        time.sleep(0.02)
 
 
 def running(pid: int) -> bool:

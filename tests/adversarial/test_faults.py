@@ -24,7 +24,7 @@ from typing import Any
 import jsonschema  # type: ignore[import-untyped]
 import psutil
 import pytest
-from helpers import HEADER, LEAN, REPORT_NAME, run
+from helpers import HEADER, LEAN, REPORT_NAME, pump, run, wait_gone
 
 from pytest_elastic_timer.core import startup
 from pytest_elastic_timer.scope import client
@@ -37,9 +37,8 @@ from .conftest import (
     Dog,
     running,
     wait_for,
-    wait_gone,
 )
-from .test_fuzz import Local, pump
+from .test_fuzz import Local
 
 FEW_SECONDS = 5.0  # "gone within a few seconds"
 SCHEMA = Path(startup.__file__).with_name("report.schema.json")

@@ -28,10 +28,11 @@ import subprocess
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from helpers import RawClient, pump, write_slot
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -41,7 +42,7 @@ from pytest_elastic_timer.sync import server as sync_server
 from pytest_elastic_timer.watchdog import proctree
 from pytest_elastic_timer.watchdog import server as wd
 
-from .conftest import ON_TIME, Dog, Probe, Raw
+from .conftest import ON_TIME, Dog, Probe
 
 NAN, INF = math.nan, math.inf
 KNOWN_OPS = {"hello", "wake", "expired", "sync", sync_server.OP_BARRIER}
@@ -185,15 +186,6 @@ fifo_lines = st.one_of(
 
 
 # -- the watchdog driven in this process -------------------------------------------------
-def pump(dog: wd.Watchdog, until: Callable[[], bool], timeout: float = 5.0) -> bool:
-    give_up = time.monotonic() + timeout
-    while not until():
-        if time.monotonic() > give_up:
-            return False
-        dog.run_once(max_wait=0.01)
-    return True
-
-
 def send_pumping(dog: wd.Watchdog, sock: socket.socket, data: bytes) -> None:
     """Send one datagram, running the watchdog whenever the socket is full."""
     give_up = time.monotonic() + 10
@@ -280,7 +272,7 @@ class Local:
         self.arrived.clear()
         now = time.monotonic()
         sid = self.table.add_string(f"probe-{self.serial}")
-        self.table.write_slot(0, self.serial, now + after, now, 1, sid, 0, 0, 0.0, 0, 0)
+        write_slot(self.table, 0, serial=self.serial, deadline=now + after, start=now, path_sid=sid)
         self.table.words[tbl.H_HWM] = 1
         send_pumping(self.dog, self.welcomed, wire.encode("wake", at=now + after))
         assert pump(self.dog, lambda: bool(self.arrived), after + ON_TIME + 2), "no interrupt"
@@ -399,7 +391,7 @@ def test_a_sync_read_by_a_running_ladder_is_answered(local: Local) -> None:
     now = time.monotonic()
     serial = local.serial = local.serial + 1
     sid = local.table.add_string("in-flight")
-    local.table.write_slot(0, serial, now + 0.05, now, 1, sid, 0, 0, 0.0, 0, 0)
+    write_slot(local.table, 0, serial=serial, deadline=now + 0.05, start=now, path_sid=sid)
     local.table.words[tbl.H_HWM] = 1
     send_pumping(local.dog, local.welcomed, wire.encode("wake", at=now + 0.05))
     assert pump(local.dog, lambda: bool(local.arrived), 3.0), "no interrupt"
@@ -473,7 +465,7 @@ def test_real_watchdog_survives_every_batch_and_its_report_counts_them(dog: Dog)
         lines=st.lists(fifo_lines, max_size=8),
     )
     def batch(messages: list[bytes], lines: list[bytes]) -> None:
-        with Raw(dog.address) as raw:
+        with RawClient(dog.address) as raw:
             for message in messages:
                 raw.send(message)
         if lines:

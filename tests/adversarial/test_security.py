@@ -23,6 +23,7 @@ from typing import Any
 
 import psutil
 import pytest
+from helpers import RawClient
 
 from pytest_elastic_timer.core import startup, wire
 from pytest_elastic_timer.core import table as tbl
@@ -34,7 +35,6 @@ from .conftest import (
     SLEEPER,
     Dog,
     Probe,
-    Raw,
     outsider,
     running,
     wait_for,
@@ -93,7 +93,7 @@ def _connect_as(uid: int, gid: int, address: str) -> dict[str, Any]:
             os.setgroups([])
             os.setgid(gid)
             os.setuid(uid)
-            raw = Raw(address)
+            raw = RawClient(address)
             result["connected"] = True
             try:
                 answer = raw.ask(wire.encode("hello", pid=os.getpid(), table="x", dump=""))
@@ -162,12 +162,12 @@ def test_hello_for_another_process_or_a_foreign_table_is_refused(dog: Dog, tmp_p
             "another process's table name": dict(pid=me, table=table_path_of(dog, probe.pid)),
         }
         for what, fields in refused.items():
-            with Raw(dog.address) as raw:
+            with RawClient(dog.address) as raw:
                 answer = raw.ask(wire.encode("hello", dump="", **fields))
             assert answer is not None and answer[0] == "refused", what
         # A table in the directory, named for this process, that says it is another's:
         # dropped without an answer.
-        with Raw(dog.address) as raw:
+        with RawClient(dog.address) as raw:
             assert raw.ask(wire.encode("hello", pid=me, table=forged.path, dump=""), 1.0) is None
         assert dog.alive()
         probe.expire()
