@@ -180,9 +180,9 @@ def test_timer_request_rejects_non_numbers(after: object) -> None:
 
 @pytest.mark.parametrize("after", [float("nan"), float("inf"), -1, -0.001])
 def test_timer_request_rejects_bad_numbers(after: float) -> None:
-    with pytest.raises(ValueError, match="finite number of seconds"):
+    with pytest.raises(ValueError, match="after must be a finite number >= 0"):
         et.TimerRequest(after)
-    with pytest.raises(ValueError, match="finite number of seconds"):
+    with pytest.raises(ValueError, match="grace must be a finite number >= 0"):
         et.expires(1, grace=after)
 
 

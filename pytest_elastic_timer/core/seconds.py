@@ -32,6 +32,15 @@ def parse_seconds(
     return value
 
 
+def check_seconds(value: object, what: str) -> float:
+    """A number of seconds passed in code (``expires(5)``, ``barrier(..., timeout)``):
+    TypeError when ``value`` is not an int or a float, else :func:`parse_seconds`'s
+    rule (finite, >= 0)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what} must be a number of seconds, not {value!r}")
+    return parse_seconds(value, what, allow_text=False)
+
+
 def parse_fraction(raw: object, what: str) -> float:
     """A fraction in [0, 1] from ``raw``, or ValueError naming ``what``."""
     try:

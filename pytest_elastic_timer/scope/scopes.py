@@ -27,6 +27,7 @@ from types import FrameType, TracebackType
 from typing import Any
 
 from pytest_elastic_timer.core import table as tbl
+from pytest_elastic_timer.core.seconds import check_seconds
 from pytest_elastic_timer.scope import client, collectives, delivery
 from pytest_elastic_timer.scope.delivery import ScopeExpired, TimeoutException
 
@@ -179,14 +180,7 @@ if hasattr(os, "register_at_fork"):  # POSIX; on Windows nothing forks
 
 
 def _check_budget(value: object, what: str) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{what} must be a number of seconds, not {value!r}")
-    seconds = float(value)
-    if not math.isfinite(seconds) or seconds < 0:
-        raise ValueError(f"{what} must be a finite number of seconds >= 0, not {value!r}")
-    return seconds
+    return None if value is None else check_seconds(value, what)
 
 
 class TimerRequest:

@@ -15,7 +15,6 @@ holder that dies releases it. Without a watchdog (plain ``python``) every call r
 
 from __future__ import annotations
 
-import math
 import os
 import socket
 import sys
@@ -28,6 +27,7 @@ from types import FrameType, TracebackType
 from typing import Any
 
 from pytest_elastic_timer.core import wire
+from pytest_elastic_timer.core.seconds import check_seconds
 from pytest_elastic_timer.scope import client, scopes
 from pytest_elastic_timer.scope.scopes import ScopeExpired
 from pytest_elastic_timer.sync import server as sync_server
@@ -320,12 +320,7 @@ def _check_name(name: object, what: str) -> str:
 
 
 def _check_timeout(timeout: object, what: str) -> float:
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"{what} timeout must be a number of seconds, not {timeout!r}")
-    seconds = float(timeout)
-    if not math.isfinite(seconds) or seconds < 0:
-        raise ValueError(f"{what} timeout must be a finite number of seconds >= 0, not {timeout!r}")
-    return seconds
+    return check_seconds(timeout, f"{what} timeout")
 
 
 def _check_label(label: object) -> str | None:
