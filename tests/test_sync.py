@@ -31,9 +31,10 @@ from helpers import LEAN, run
 import pytest_elastic_timer as et
 from pytest_elastic_timer.core import wire
 from pytest_elastic_timer.scope.client import ENV_ADDRESS
-from pytest_elastic_timer.sync import server as sync_server
+from pytest_elastic_timer.sync import protocol
 from pytest_elastic_timer.watchdog import proctree
-from pytest_elastic_timer.watchdog import server as wd
+from pytest_elastic_timer.watchdog.__main__ import Assembly, build
+from pytest_elastic_timer.watchdog.server import Watchdog
 
 SLACK = 0.5  # how long after its timeout a waiter may be released
 WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")  # when this suite runs under xdist
@@ -49,32 +50,32 @@ def inner_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 # -- a watchdog in a thread of this process ------------------------------------------
 @pytest.fixture
-def dog(monkeypatch: pytest.MonkeyPatch) -> Iterator[wd.Watchdog]:
+def served(monkeypatch: pytest.MonkeyPatch) -> Iterator[Assembly]:
+    """A watchdog with its intakes, served by a thread of this process."""
     directory = tempfile.mkdtemp(prefix="pet-sync-")  # short: AF_UNIX paths are limited
     root = proctree.ProcessId.of(os.getpid())
     assert root is not None
-    watchdog = wd.Watchdog(directory, root=root, grace=30.0, scale=1.0)
+    assembly = build(directory, root=root, grace=30.0, scale=1.0)
     stop = threading.Event()
 
     def serve() -> None:
         while not stop.is_set():
-            watchdog.run_once(max_wait=0.02)
+            assembly.dog.run_once(max_wait=0.02)
 
     thread = threading.Thread(target=serve, name="sync-test-watchdog", daemon=True)
     thread.start()
-    monkeypatch.setenv(ENV_ADDRESS, watchdog.address)
-    yield watchdog
+    monkeypatch.setenv(ENV_ADDRESS, assembly.dog.address)
+    yield assembly
     stop.set()
     thread.join(5)
     assert not thread.is_alive()
-    for conn in list(watchdog.by_conn):
-        conn.close()
-    for owner in watchdog.owners.values():
-        owner.table.close()
-    watchdog.file_timers.close()
-    watchdog.listener.close()
-    watchdog.sel.close()
+    assembly.close()
     shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def dog(served: Assembly) -> Watchdog:
+    return served.dog
 
 
 def in_threads(count: int, target: Any, *args: Any) -> list[Any]:
@@ -95,7 +96,7 @@ def in_threads(count: int, target: Any, *args: Any) -> list[Any]:
     return results
 
 
-def raw(dog: wd.Watchdog, op: str, **fields: Any) -> tuple[str, dict[str, Any]]:
+def raw(dog: Watchdog, op: str, **fields: Any) -> tuple[str, dict[str, Any]]:
     """A hand-made request on a connection of its own, and its answer."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
         sock.settimeout(5)
@@ -104,7 +105,7 @@ def raw(dog: wd.Watchdog, op: str, **fields: Any) -> tuple[str, dict[str, Any]]:
         return wire.decode(sock.recv(wire.MAX_MESSAGE))
 
 
-def test_barrier_passes_round_after_round_with_arrival_indices(dog: wd.Watchdog) -> None:
+def test_barrier_passes_round_after_round_with_arrival_indices(dog: Watchdog) -> None:
     def party(i: int) -> list[int]:
         return [et.barrier("rounds", 3, 5, label=f"t{i}") for _ in range(20)]
 
@@ -116,7 +117,7 @@ def test_barrier_passes_round_after_round_with_arrival_indices(dog: wd.Watchdog)
     assert et.barrier("alone", 1, 0) == 0
 
 
-def test_barrier_timeout_raises_in_every_waiter_at_once(dog: wd.Watchdog) -> None:
+def test_barrier_timeout_raises_in_every_waiter_at_once(dog: Watchdog) -> None:
     started = time.monotonic()
 
     def party(i: int) -> float:
@@ -151,12 +152,12 @@ def test_barrier_timeout_raises_in_every_waiter_at_once(dog: wd.Watchdog) -> Non
     assert sorted(in_threads(3, lambda i: et.barrier("start", 3, 5))) == [0, 1, 2]
 
 
-def test_barrier_names_a_party_that_died_waiting(dog: wd.Watchdog) -> None:
+def test_barrier_names_a_party_that_died_waiting(dog: Watchdog, served: Assembly) -> None:
     code = "import pytest_elastic_timer as et; et.barrier('b', 2, 30, label='doomed')"
     proc = subprocess.Popen([sys.executable, "-c", code])
     try:
         give_up = time.monotonic() + 10
-        while not dog_calls(dog):
+        while not dog_calls(served):
             assert time.monotonic() < give_up and proc.poll() is None
             time.sleep(0.01)
     finally:
@@ -170,17 +171,17 @@ def test_barrier_names_a_party_that_died_waiting(dog: wd.Watchdog) -> None:
     assert info.value.never_arrived == 0
 
 
-def dog_calls(dog: wd.Watchdog) -> list[tuple[str, str, Any]]:
+def dog_calls(served: Assembly) -> list[tuple[str, str, Any]]:
     """The calls the watchdog's primitives are waiting on (read from the test thread)."""
-    return list(sync_server.server_of(dog).calls.values())
+    return list(served.sync.calls.values())
 
 
-def test_barrier_parties_must_agree(dog: wd.Watchdog) -> None:
+def test_barrier_parties_must_agree(dog: Watchdog, served: Assembly) -> None:
     thread_results: list[Any] = []
     thread = threading.Thread(target=lambda: thread_results.append(et.barrier("n", 2, 5)))
     thread.start()
     give_up = time.monotonic() + 3
-    while not dog_calls(dog):
+    while not dog_calls(served):
         assert time.monotonic() < give_up
         time.sleep(0.01)
     with pytest.raises(ValueError, match=r"gathering 2 parties in round 0 .*this call says 3"):
@@ -190,7 +191,7 @@ def test_barrier_parties_must_agree(dog: wd.Watchdog) -> None:
     assert thread_results and thread_results[0] in (0, 1)
 
 
-def test_event_wait_timeout_names_waiters_then_set_releases_them(dog: wd.Watchdog) -> None:
+def test_event_wait_timeout_names_waiters_then_set_releases_them(dog: Watchdog) -> None:
     event = et.Event("ready", label="main")
     assert not event.is_set()
     with pytest.raises(et.EventTimeout) as info:
@@ -224,7 +225,7 @@ def wait_ready(i: int) -> str:
     return event.set_by.label
 
 
-def test_lock_is_mutually_exclusive_and_a_timeout_names_the_holder(dog: wd.Watchdog) -> None:
+def test_lock_is_mutually_exclusive_and_a_timeout_names_the_holder(dog: Watchdog) -> None:
     inside: list[int] = []
     overlaps: list[int] = []
 
@@ -267,7 +268,7 @@ def test_lock_is_mutually_exclusive_and_a_timeout_names_the_holder(dog: wd.Watch
     assert "(this very process: the lock is not reentrant)" in str(exc)
 
 
-def test_lock_of_a_holder_that_went_away_is_handed_on_with_a_warning(dog: wd.Watchdog) -> None:
+def test_lock_of_a_holder_that_went_away_is_handed_on_with_a_warning(dog: Watchdog) -> None:
     dead = et.lock("port", 5, label="doomed")
     dead.acquire()
     assert dead.held
@@ -294,7 +295,9 @@ for wait in (lambda: et.barrier("never", 2, 30), lambda: et.lock("busy", 30).acq
 """
 
 
-def test_an_enclosing_scope_interrupts_a_wait_which_leaves_at_once(dog: wd.Watchdog) -> None:
+def test_an_enclosing_scope_interrupts_a_wait_which_leaves_at_once(
+    dog: Watchdog, served: Assembly
+) -> None:
     holding = threading.Event()
     done = threading.Event()
     thread = threading.Thread(target=hold_until, args=("busy", holding, done))
@@ -306,7 +309,7 @@ def test_an_enclosing_scope_interrupts_a_wait_which_leaves_at_once(dog: wd.Watch
     )
     assert out.stdout.splitlines() == ["ScopeExpired outer", "ScopeExpired outer"], out.stderr
     give_up = time.monotonic() + 3
-    while len(dog_calls(dog)) > 1:  # the child's calls left; only the holder is left
+    while len(dog_calls(served)) > 1:  # the child's calls left; only the holder is left
         assert time.monotonic() < give_up
         time.sleep(0.01)
     with pytest.raises(et.LockTimeout):
@@ -324,7 +327,7 @@ def hold_until(name: str, holding: threading.Event, done: threading.Event) -> No
         done.wait(10)
 
 
-def test_abandoned_lock_with_warnings_as_errors_is_not_kept(dog: wd.Watchdog) -> None:
+def test_abandoned_lock_with_warnings_as_errors_is_not_kept(dog: Watchdog) -> None:
     dead = et.lock("strict", 5).acquire()
     assert dead._call is not None
     dead._call.close()
@@ -336,7 +339,7 @@ def test_abandoned_lock_with_warnings_as_errors_is_not_kept(dog: wd.Watchdog) ->
         assert again.abandoned_by is None
 
 
-def test_timeouts_are_recorded_like_expired_scopes(dog: wd.Watchdog) -> None:
+def test_timeouts_are_recorded_like_expired_scopes(dog: Watchdog) -> None:
     dog.scale = 2.0
     line = sys._getframe().f_lineno + 2
     with pytest.raises(et.BarrierTimeout) as info:
@@ -361,27 +364,27 @@ def test_timeouts_are_recorded_like_expired_scopes(dog: wd.Watchdog) -> None:
 @pytest.mark.parametrize(
     ("op", "fields", "error"),
     [
-        (sync_server.OP_BARRIER, {"name": "x", "parties": 0, "timeout": 1}, "parties must be"),
-        (sync_server.OP_BARRIER, {"name": "x", "parties": True, "timeout": 1}, "parties"),
-        (sync_server.OP_BARRIER, {"name": "", "parties": 2, "timeout": 1}, "a name must"),
-        (sync_server.OP_EVENT_WAIT, {"name": 5, "timeout": 1}, "name"),
-        (sync_server.OP_EVENT_WAIT, {"name": "e", "timeout": math.nan}, "finite"),
-        (sync_server.OP_LOCK_ACQUIRE, {"name": "l", "timeout": -1}, "finite"),
-        (sync_server.OP_LOCK_ACQUIRE, {"name": "l", "timeout": "soon"}, "number"),
-        (sync_server.OP_LOCK_ACQUIRE, {"name": "l", "timeout": 1, "label": 7}, "label"),
+        (protocol.OP_BARRIER, {"name": "x", "parties": 0, "timeout": 1}, "parties must be"),
+        (protocol.OP_BARRIER, {"name": "x", "parties": True, "timeout": 1}, "parties"),
+        (protocol.OP_BARRIER, {"name": "", "parties": 2, "timeout": 1}, "a name must"),
+        (protocol.OP_EVENT_WAIT, {"name": 5, "timeout": 1}, "name"),
+        (protocol.OP_EVENT_WAIT, {"name": "e", "timeout": math.nan}, "finite"),
+        (protocol.OP_LOCK_ACQUIRE, {"name": "l", "timeout": -1}, "finite"),
+        (protocol.OP_LOCK_ACQUIRE, {"name": "l", "timeout": "soon"}, "number"),
+        (protocol.OP_LOCK_ACQUIRE, {"name": "l", "timeout": 1, "label": 7}, "label"),
     ],
 )
 def test_bad_requests_are_answered_and_counted(
-    dog: wd.Watchdog, op: str, fields: dict[str, Any], error: str
+    dog: Watchdog, op: str, fields: dict[str, Any], error: str
 ) -> None:
     before = dog.dropped
     answer, reply = raw(dog, op, **fields)
-    assert answer == sync_server.ERROR and error in reply["error"]
+    assert answer == protocol.ERROR and error in reply["error"]
     assert dog.dropped == before + 1
     assert et.barrier("still-serving", 1, 1) == 0
 
 
-def test_bad_arguments_are_refused_before_asking(dog: wd.Watchdog) -> None:
+def test_bad_arguments_are_refused_before_asking(dog: Watchdog) -> None:
     with pytest.raises(TypeError, match="parties must be an int"):
         et.barrier("b", 2.0, 1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="timeout must be a finite number"):

@@ -4,7 +4,7 @@ Their classic failure is silence: a barrier that one rank never reaches just wai
 These always have a deadline, and when it passes they say who did not arrive, who
 waited, who holds the lock (and since where, for how long).
 
-The session's watchdog keeps their state and decides every timeout (:mod:`.sync_server`).
+The session's watchdog keeps their state and decides every timeout (:mod:`.server`).
 Each blocking call opens a connection of its own to the watchdog (the socket named by
 ``PYTEST_ELASTIC_TIMER``), so it works from any thread, never takes an answer meant for
 the process's scope connection, and its closing tells the watchdog that the caller went
@@ -30,7 +30,7 @@ from pytest_elastic_timer.core import wire
 from pytest_elastic_timer.core.seconds import check_seconds
 from pytest_elastic_timer.scope import client, scopes
 from pytest_elastic_timer.scope.scopes import ScopeExpired
-from pytest_elastic_timer.sync import server as sync_server
+from pytest_elastic_timer.sync import protocol
 
 STACK_FRAMES = 25
 _ANSWER_MARGIN = 10.0  # seconds past its budget that a call waits for the watchdog's word
@@ -269,7 +269,7 @@ class _Call:
                 "this process is not part of its session)"
             )
         answer, fields = wire.decode(data)
-        if answer == sync_server.ERROR:
+        if answer == protocol.ERROR:
             raise ValueError(str(fields.get("error", f"{self.what}: refused")))
         return answer, fields
 
@@ -300,7 +300,7 @@ def _caller(frame: FrameType | None, label: str | None) -> dict[str, Any]:
         "site": site,
         "nodeid": nodeid or (state.nodeid if state is not None else ""),
         "worker": os.environ.get("PYTEST_XDIST_WORKER", ""),
-        "stack": stack[-sync_server.MAX_STACK :],
+        "stack": stack[-protocol.MAX_STACK :],
     }
 
 
@@ -314,8 +314,8 @@ def _traced(scope: str, start: float, expired: bool) -> None:
 def _check_name(name: object, what: str) -> str:
     if not isinstance(name, str):
         raise TypeError(f"{what} name must be a str, not {name!r}")
-    if not 1 <= len(name) <= sync_server.MAX_NAME:
-        raise ValueError(f"{what} name must have 1 to {sync_server.MAX_NAME} characters")
+    if not 1 <= len(name) <= protocol.MAX_NAME:
+        raise ValueError(f"{what} name must have 1 to {protocol.MAX_NAME} characters")
     return name
 
 
@@ -351,11 +351,11 @@ def _wait(
         )
     finally:
         call.close()
-    _traced(scope, start, op == sync_server.TIMEOUT)
+    _traced(scope, start, op == protocol.TIMEOUT)
     return op, answer, who
 
 
-_WAIT_OPS = {"barrier": sync_server.OP_BARRIER, "event": sync_server.OP_EVENT_WAIT}
+_WAIT_OPS = {"barrier": protocol.OP_BARRIER, "event": protocol.OP_EVENT_WAIT}
 
 
 def _party(data: Any) -> Party | None:
@@ -398,15 +398,15 @@ def barrier(name: str, parties: int, timeout: float, *, label: str | None = None
     _check_name(name, "barrier")
     if isinstance(parties, bool) or not isinstance(parties, int):
         raise TypeError(f"barrier parties must be an int, not {parties!r}")
-    if not 1 <= parties <= sync_server.MAX_PARTIES:
-        raise ValueError(f"barrier parties must be between 1 and {sync_server.MAX_PARTIES}")
+    if not 1 <= parties <= protocol.MAX_PARTIES:
+        raise ValueError(f"barrier parties must be between 1 and {protocol.MAX_PARTIES}")
     seconds = _check_timeout(timeout, "barrier")
     _check_label(label)
     scope = f"barrier:{name}"
     op, answer, who = _wait(
         f"barrier {name!r}", scope, sys._getframe(1), label, seconds, parties=parties
     )
-    if op == sync_server.TIMEOUT:
+    if op == protocol.TIMEOUT:
         raise BarrierTimeout(
             arrived=_parties(answer.get("arrived")),
             missing=_parties(answer.get("missing")),
@@ -435,15 +435,15 @@ class Event:
 
     def set(self) -> None:
         """Set the event; every process waiting for it returns."""
-        self._quick(sync_server.OP_EVENT_SET, sys._getframe(1))
+        self._quick(protocol.OP_EVENT_SET, sys._getframe(1))
 
     def clear(self) -> None:
         """Reset the event: later waits block until it is set again."""
-        self._quick(sync_server.OP_EVENT_CLEAR, sys._getframe(1))
+        self._quick(protocol.OP_EVENT_CLEAR, sys._getframe(1))
 
     def is_set(self) -> bool:
         """Whether the event is set now."""
-        answer = self._quick(sync_server.OP_EVENT_GET, sys._getframe(1))
+        answer = self._quick(protocol.OP_EVENT_GET, sys._getframe(1))
         self._note_setter(answer)
         return bool(answer.get("set"))
 
@@ -457,7 +457,7 @@ class Event:
         op, answer, who = _wait(
             f"event {self.name!r}", scope, sys._getframe(1), self.label, seconds
         )
-        if op == sync_server.TIMEOUT:
+        if op == protocol.TIMEOUT:
             raise EventTimeout(
                 waiting=_parties(answer.get("waiting")),
                 set_by=_party(answer.get("set_by")),
@@ -531,17 +531,17 @@ class SessionLock:
         try:
             who = _caller(frame, self.label)
             op, answer = call.ask(
-                sync_server.OP_LOCK_ACQUIRE,
+                protocol.OP_LOCK_ACQUIRE,
                 _wait_for(self.timeout),
                 name=self.name,
                 timeout=self.timeout,
                 **who,
             )
         except BaseException:
-            call.tell(sync_server.OP_LOCK_RELEASE)  # interrupted: leave the queue (or let go)
+            call.tell(protocol.OP_LOCK_RELEASE)  # interrupted: leave the queue (or let go)
             call.close()
             raise
-        if op == sync_server.TIMEOUT:
+        if op == protocol.TIMEOUT:
             call.close()
             _traced(scope, start, True)
             raise LockTimeout(
@@ -578,7 +578,7 @@ class SessionLock:
         if call is None or self._pid != os.getpid():
             raise RuntimeError(f"lock {self.name!r} is not held by this object")
         self._call = None
-        call.tell(sync_server.OP_LOCK_RELEASE)
+        call.tell(protocol.OP_LOCK_RELEASE)
         call.close()
         _traced(f"lock:{self.name}", self._start, False)
 

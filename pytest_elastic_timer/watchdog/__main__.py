@@ -1,8 +1,123 @@
-"""``python -m pytest_elastic_timer.watchdog``: the session's watchdog process."""
+"""``python -m pytest_elastic_timer.watchdog``: the session's watchdog process.
 
+The wiring: :func:`build` makes the :class:`~.server.Watchdog` and plugs its intakes
+in (the torch file-timer FIFO, the synchronization primitives, the JUnit file written
+if pytest dies first); :func:`main` parses the launcher's arguments, sets up the
+process's signals, says ``ready <pid> <address>`` on stdout and serves until the
+session ends. This is the only module that knows both the watchdog and its intakes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
 import sys
+import time
+from dataclasses import dataclass
+from typing import Any
 
-from pytest_elastic_timer.watchdog.server import main
+from pytest_elastic_timer.ci import junit_fallback
+from pytest_elastic_timer.sync.server import SyncServer
+from pytest_elastic_timer.watchdog import proctree
+from pytest_elastic_timer.watchdog.file_timer import FileTimerIntake
+from pytest_elastic_timer.watchdog.loop import Clock
+from pytest_elastic_timer.watchdog.server import Terminated, Watchdog
+
+
+@dataclass
+class Assembly:
+    """A watchdog and the intakes plugged into it."""
+
+    dog: Watchdog
+    file_timers: FileTimerIntake
+    sync: SyncServer
+
+    def close(self) -> None:
+        """Let go of everything without ending the session (for a watchdog a test
+        drove; :meth:`Watchdog.finish` ends a session and closes it all too)."""
+        self.file_timers.close()
+        self.dog.close()
+
+
+def build(
+    directory: str,
+    *,
+    root: proctree.ProcessId,
+    junit_xml: str | None = None,
+    clock: Clock = time.monotonic,
+    **settings: Any,
+) -> Assembly:
+    """A watchdog serving ``directory`` for the session below ``root``, with every
+    intake plugged in; ``settings`` are :class:`Watchdog`'s keyword arguments."""
+    dog = Watchdog(directory, root=root, clock=clock, **settings)
+    file_timers = FileTimerIntake(dog, directory)
+    dog.add_reader(file_timers.read_fd, file_timers.readable)
+    dog.on_finish(file_timers.close)
+    sync = SyncServer(dog)
+    for op, handler in sync.handlers().items():
+        dog.handle(op, handler)
+    dog.on_disconnect(sync.disconnected)
+    if junit_xml:
+        dog.on_finish(lambda: _junit_if_pytest_died(dog, junit_xml))
+    return Assembly(dog, file_timers, sync)
+
+
+def _junit_if_pytest_died(dog: Watchdog, path: str) -> None:
+    if not dog.root_died:
+        return  # pytest writes its own file
+    try:
+        junit_fallback.write(path, dog.records, dog.session)
+    except OSError as exc:
+        sys.stderr.write(f"pytest-elastic-timer: cannot write {path}: {exc}\n")
+
+
+def _on_terminate(signum: int, frame: Any) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    raise Terminated(signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run a session's watchdog with the launcher's arguments."""
+    parser = argparse.ArgumentParser(prog="python -m pytest_elastic_timer.watchdog")
+    parser.add_argument("--dir", required=True)
+    parser.add_argument("--root-pid", type=int, required=True)
+    parser.add_argument("--grace", type=float, default=2.0)
+    parser.add_argument("--kill-after", type=float, default=1.0)
+    parser.add_argument("--scale", type=float, default=1.0)
+    parser.add_argument("--report", default=None)
+    parser.add_argument("--session", default="{}", help="JSON facts for the report")
+    parser.add_argument("--dump-signal", type=int, default=0)
+    parser.add_argument("--junit-xml", default=None, help="fallback JUnit XML if pytest dies")
+    parser.add_argument("--trace", action="store_true", help="clients record every scope")
+    args = parser.parse_args(argv)
+    # Ctrl-C reaches the whole process group; pytest decides how the session ends.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _on_terminate)
+    signal.signal(signal.SIGHUP, _on_terminate)
+    root = proctree.ProcessId.of(args.root_pid)
+    if root is None:
+        return 1
+    dog = build(
+        args.dir,
+        root=root,
+        junit_xml=args.junit_xml,
+        grace=args.grace,
+        kill_after=args.kill_after,
+        scale=args.scale,
+        report_path=args.report,
+        session=json.loads(args.session),
+        control=sys.stdin.buffer,
+        dump_signal=args.dump_signal,
+        trace=args.trace,
+    ).dog
+    sys.stdout.write(f"ready {os.getpid()} {dog.address}\n")
+    sys.stdout.flush()
+    dog.serve()
+    return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -8,10 +8,14 @@ peer credentials, so the pid in the request is honoured only for a process of th
 session (a descendant of the pytest process, checked with its start time against pid
 reuse); anything else is dropped and counted.
 
-Each requesting process gets a scope table in the watchdog's own memory, into which the
-watchdog writes the slots itself: from there the usual scan and escalation ladder apply
-(no interrupt -- such a process has no handler for it -- but a stack dump where the
-session's start-up hook installed one, then termination of its process tree).
+Each requesting process is adopted by the watchdog, which keeps a scope table for it in
+its own memory; this intake writes the slots into it. From there the usual scan and
+escalation ladder apply (no interrupt -- such a process has no handler for it -- but a
+stack dump where the session's start-up hook installed one, then termination of its
+process tree).
+
+An intake: it uses only its :class:`~.host.TableHost` and is plugged into the watchdog
+by the wiring (:func:`pytest_elastic_timer.watchdog.__main__.build`).
 """
 
 from __future__ import annotations
@@ -21,13 +25,10 @@ import json
 import math
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from pytest_elastic_timer.core import startup
 from pytest_elastic_timer.core import table as tbl
-
-if TYPE_CHECKING:
-    from pytest_elastic_timer.watchdog.server import Owner, Watchdog
+from pytest_elastic_timer.watchdog.host import Adopted, TableHost
 
 FIFO_NAME = "torch-timer.fifo"
 ENV_FILE = "TORCHELASTIC_TIMER_FILE"
@@ -35,17 +36,18 @@ MAX_LINE = 4096  # torch refuses requests above PIPE_BUF; we allow a little more
 
 
 class FileTimerIntake:
-    """Reads the FIFO and turns requests into slots of per-process tables."""
+    """Reads the FIFO and turns requests into slots of adopted processes' tables."""
 
-    def __init__(self, dog: Watchdog) -> None:
-        self.dog = dog
-        self.path = os.path.join(dog.directory, FIFO_NAME)
+    def __init__(self, host: TableHost, directory: str) -> None:
+        self.host = host
+        self.path = os.path.join(directory, FIFO_NAME)
         os.mkfifo(self.path, 0o600)
         self.read_fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
         # Our own writer keeps the FIFO open: no EOF when the last client closes it.
         self.keep_fd = os.open(self.path, os.O_WRONLY | os.O_NONBLOCK)
         self.buffer = b""
         self.scopes: dict[tuple[int, str], int] = {}  # (pid, scope_id) -> slot
+        self.tables: dict[int, tbl.ScopeTable] = {}  # pid -> the table its slots are in
         self.free: dict[int, list[int]] = {}
         self.serials = iter(range(1, 1 << 62))
 
@@ -68,17 +70,17 @@ class FileTimerIntake:
                 self.handle(line)
             if len(self.buffer) > MAX_LINE:  # a line that never ends is dropped
                 self.buffer = b""
-                self.dog.dropped += 1
+                self.host.drop()
 
     def handle(self, line: bytes) -> None:
         request = _parse(line)
         if request is None:
-            self.dog.dropped += 1
+            self.host.drop()
             return
         pid, scope_id, expiration = request
         owner = self._owner(pid)
         if owner is None:
-            self.dog.dropped += 1  # not a process of this session
+            self.host.drop()  # not a process of this session
             return
         key = (pid, scope_id)
         old = self.scopes.pop(key, None)
@@ -87,14 +89,14 @@ class FileTimerIntake:
             self.free[pid].append(old)
         if expiration < 0:
             return
-        now = time.monotonic()
-        deadline = now + (expiration - time.time())
+        now = self.host.clock()
+        deadline = now + (expiration - time.time())  # torch's deadline is wall-clock time
         slot = self._alloc(owner)
         self.scopes[key] = slot
         table = owner.table
         file, _, line_no = scope_id.rpartition("#")  # torch's default: "file#line"
         site = f"{file}:{line_no}" if file and line_no.isdigit() else ""
-        nodeid = proctree_env(owner, "PYTEST_CURRENT_TEST").rsplit(" (", 1)[0]
+        nodeid = owner.environ("PYTEST_CURRENT_TEST").rsplit(" (", 1)[0]
         table.write_slot(
             slot,
             next(self.serials),
@@ -108,9 +110,9 @@ class FileTimerIntake:
             0,
             0,
         )
-        self.dog.schedule_scan(owner, deadline)
+        self.host.wake(pid, deadline)
 
-    def _alloc(self, owner: Owner) -> int:
+    def _alloc(self, owner: Adopted) -> int:
         free = self.free.setdefault(owner.pid, [])
         if free:
             return free.pop()
@@ -118,38 +120,14 @@ class FileTimerIntake:
         owner.table.words[tbl.H_HWM] = index + 1
         return index
 
-    def _owner(self, pid: int) -> Owner | None:
-        from pytest_elastic_timer.watchdog import proctree
-        from pytest_elastic_timer.watchdog.server import Owner
-
-        owner = self.dog.foreign.get(pid)
-        if owner is not None and proctree.alive([owner.proc]):
-            return owner
-        if not proctree.is_descendant(pid, self.dog.root) or pid == os.getpid():
-            return None
-        ident = proctree.ProcessId.of(pid)
-        proc = ident.process() if ident else None
-        if ident is None or proc is None:
-            return None
-        table = tbl.ScopeTable.create(None)
-        dump_sig = self.dog.dump_signal
-        owner = Owner(ident, proc, table, None, startup.dump_path(self.dog.directory, pid))
-        table.words[tbl.H_PID] = pid
-        table.words[tbl.H_INTERRUPT_SIG] = 0  # it has no handler: no soft interrupt
-        table.words[tbl.H_DUMP_SIG] = dump_sig if startup.catches(pid, dump_sig) else 0
-        table.words[tbl.H_LABEL_SID] = table.add_string(proctree.label_of(proc))
-        worker = proctree_env(owner, "PYTEST_XDIST_WORKER")
-        table.words[tbl.H_WORKER_SID] = table.add_string(worker) if worker else 0
-        self.dog.foreign[pid] = owner
-        self.free[pid] = []
+    def _owner(self, pid: int) -> Adopted | None:
+        owner = self.host.adopt(pid)
+        if owner is not None and self.tables.get(pid) is not owner.table:
+            # Adopted anew (a first request, or its pid was reused): a fresh table.
+            self.tables[pid] = owner.table
+            self.free[pid] = []
+            self.scopes = {k: v for k, v in self.scopes.items() if k[0] != pid}
         return owner
-
-
-def proctree_env(owner: Owner, name: str) -> str:
-    try:
-        return str(owner.proc.environ().get(name, ""))
-    except Exception:  # gone, or not ours to read
-        return ""
 
 
 def _parse(line: bytes) -> tuple[int, str, float] | None:

@@ -38,6 +38,10 @@ class ProcessId:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             return None
 
+    def alive(self) -> bool:
+        """Whether the process with this identity still runs (not a zombie)."""
+        return self.process() is not None
+
 
 def describe(proc: psutil.Process) -> dict[str, object]:
     try:

@@ -574,7 +574,7 @@ def test_a_process_that_survives_sigkill_is_reported_and_nothing_hangs(
         assert rank.poll() is None
         # The session's end: strays are ended, survivors given up on, no hang.
         began = time.monotonic()
-        local.dog._end_strays()
+        local.dog.end_strays()
         assert time.monotonic() - began < KILL_AFTER + 2.0 + 1.0
         assert rank.poll() is None
         assert local.dog.session["stray_processes"][0]["pid"] == rank.pid

@@ -38,15 +38,15 @@ from hypothesis import strategies as st
 
 from pytest_elastic_timer.core import startup, wire
 from pytest_elastic_timer.core import table as tbl
-from pytest_elastic_timer.sync import server as sync_server
+from pytest_elastic_timer.sync import protocol
 from pytest_elastic_timer.watchdog import proctree
-from pytest_elastic_timer.watchdog import server as wd
+from pytest_elastic_timer.watchdog.__main__ import build
+from pytest_elastic_timer.watchdog.server import Watchdog
 
 from .conftest import ON_TIME, Dog, Probe
 
 NAN, INF = math.nan, math.inf
-KNOWN_OPS = {"hello", "wake", "expired", "sync", sync_server.OP_BARRIER}
-KNOWN_OPS |= {v for k, v in vars(sync_server).items() if k.startswith("OP_")}
+KNOWN_OPS = {"hello", "wake", "expired", "sync", *protocol.OPS}
 
 
 def slow(examples: int) -> settings:
@@ -186,7 +186,7 @@ fifo_lines = st.one_of(
 
 
 # -- the watchdog driven in this process -------------------------------------------------
-def send_pumping(dog: wd.Watchdog, sock: socket.socket, data: bytes) -> None:
+def send_pumping(dog: Watchdog, sock: socket.socket, data: bytes) -> None:
     """Send one datagram, running the watchdog whenever the socket is full."""
     give_up = time.monotonic() + 10
     while True:
@@ -198,7 +198,7 @@ def send_pumping(dog: wd.Watchdog, sock: socket.socket, data: bytes) -> None:
             dog.run_once(max_wait=0.01)
 
 
-def write_pumping(dog: wd.Watchdog, path: str, data: bytes) -> None:
+def write_pumping(dog: Watchdog, path: str, data: bytes) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
     try:
         view = memoryview(data)
@@ -227,7 +227,8 @@ class Local:
         self.directory = tempfile.mkdtemp(prefix="pet-adv-")
         root = proctree.ProcessId.of(os.getpid())
         assert root is not None
-        self.dog = wd.Watchdog(self.directory, root=root, grace=grace, kill_after=1.0)
+        self.assembly = build(self.directory, root=root, grace=grace, kill_after=1.0)
+        self.dog = self.assembly.dog
         self.arrived: list[float] = []
         self.signum = _free_signal()
         self.previous = signal.signal(
@@ -250,9 +251,9 @@ class Local:
     def connect(self) -> socket.socket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 * wire.MAX_MESSAGE)
-        known = len(self.dog.by_conn)
+        known = len(self.dog.connections.peers)
         sock.connect(self.dog.address)
-        assert pump(self.dog, lambda: len(self.dog.by_conn) > known, 2.0), "not accepted"
+        assert pump(self.dog, lambda: len(self.dog.connections.peers) > known, 2.0), "not accepted"
         return sock
 
     def ask(self, sock: socket.socket, data: bytes) -> tuple[str, dict[str, Any]] | None:
@@ -287,15 +288,8 @@ class Local:
         for sock in (self.welcomed, self.stranger):
             sock.close()
         signal.signal(self.signum, self.previous)
-        dog = self.dog
-        for conn in list(dog.by_conn):
-            conn.close()
-        for owner in dog.all_owners():
-            owner.table.close()
+        self.assembly.close()
         self.table.close()
-        dog.file_timers.close()
-        dog.listener.close()
-        dog.sel.close()
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
@@ -340,11 +334,12 @@ def test_fifo_batches_are_dropped_counted_and_enforcement_goes_on(
     local: Local, lines: list[bytes]
 ) -> None:
     before = local.dog.dropped
-    write_pumping(local.dog, local.dog.file_timers.path, b"".join(line + b"\n" for line in lines))
+    fifo = local.assembly.file_timers.path
+    write_pumping(local.dog, fifo, b"".join(line + b"\n" for line in lines))
     assert pump(local.dog, lambda: local.dog.dropped >= before + len(lines))
     local.dog.run_once(max_wait=0.02)
     assert local.dog.dropped == before + len(lines)
-    assert local.dog.foreign == {}  # no process became a torch-timer owner
+    assert local.dog.owners.adopted == {}  # no process became a torch-timer owner
     local.expire()
 
 
@@ -401,8 +396,10 @@ def test_a_sync_read_by_a_running_ladder_is_answered(local: Local) -> None:
     local.welcomed.send(wire.encode("sync"))
     # The ladder's next step runs before the loop reads the connection.
     dog = local.dog
-    time.sleep(max(0.0, dog._timers[0][0] - time.monotonic()))
-    dog._run_due_timers()
+    due = dog.loop.next_due()
+    assert due is not None
+    time.sleep(max(0.0, due - time.monotonic()))
+    dog.loop.run_due()
     answer: list[bytes] = []
 
     def answered() -> bool:
@@ -418,7 +415,7 @@ def test_a_sync_read_by_a_running_ladder_is_answered(local: Local) -> None:
 
 
 def test_a_line_that_never_ends_is_dropped_once(local: Local) -> None:
-    write_pumping(local.dog, local.dog.file_timers.path, b"y" * 20_000)
+    write_pumping(local.dog, local.assembly.file_timers.path, b"y" * 20_000)
     assert pump(local.dog, lambda: local.dog.dropped >= 1)
     local.dog.run_once(max_wait=0.02)
     assert local.dog.dropped in (1, 2, 3, 4, 5)  # once per MAX_LINE bytes at most

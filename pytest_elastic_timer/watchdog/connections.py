@@ -1,0 +1,120 @@
+"""The watchdog's socket: a Unix ``SOCK_SEQPACKET`` socket in the session directory.
+
+One datagram is one message (:mod:`pytest_elastic_timer.core.wire`), so there is no
+framing; the connection tells the watchdog at once when a peer goes away. A peer is
+accepted only if :meth:`Owners.peer <.owners.Owners.peer>` vouches for it (the kernel's
+``SO_PEERCRED``). A datagram that is not a well-formed message, or that its handler
+refuses, is dropped and counted; the connection and the watchdog carry on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from pytest_elastic_timer.core import wire
+from pytest_elastic_timer.watchdog.loop import Loop
+
+Dispatch = Callable[[socket.socket, int, str, dict[str, Any]], None]
+# What a handler may raise about a message: it is then dropped and counted.
+BAD_MESSAGE = (wire.BadMessage, ValueError, TypeError, KeyError, OSError, RecursionError)
+
+
+class Connections:
+    """Accepts the session's processes, reads their messages, answers them."""
+
+    def __init__(
+        self,
+        address: str,
+        loop: Loop,
+        *,
+        vouch: Callable[[socket.socket], int | None],
+        dispatch: Dispatch,
+        drop: Callable[[], None],
+        closed: Callable[[socket.socket, int], None],
+    ) -> None:
+        self.address = address
+        self.loop = loop
+        self.vouch = vouch  # the peer's pid, or None for a peer to refuse
+        self.dispatch = dispatch  # (conn, peer pid, op, fields) of every message
+        self.drop = drop
+        self.closed = closed  # (conn, peer pid) of every connection that ended
+        self.peers: dict[socket.socket, int] = {}  # open connection -> its peer's pid
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.listener.bind(address)
+        os.chmod(address, 0o600)
+        self.listener.listen(128)
+        self.listener.setblocking(False)
+        loop.add_reader(self.listener, self._accept)
+
+    def send(self, conn: socket.socket, op: str, **fields: Any) -> None:
+        """Send one message on ``conn``; a peer that went away is no error."""
+        with contextlib.suppress(OSError):
+            conn.send(wire.encode(op, **fields))
+
+    def _accept(self, _listener: Any) -> None:
+        try:
+            conn, _ = self.listener.accept()
+        except BlockingIOError:
+            return
+        pid = self.vouch(conn)
+        if pid is None:
+            # Another user, or a process of this user outside the session: refused.
+            self.drop()
+            conn.close()
+            return
+        conn.setblocking(False)
+        self.peers[conn] = pid
+        self.loop.add_reader(conn, self.read)
+
+    def read(self, conn: socket.socket) -> None:
+        """Handle every message waiting on ``conn``; end it if the peer went away."""
+        peer_pid = self.peers.get(conn)
+        if peer_pid is None:
+            return  # ended already
+        reset_seen = False
+        while True:
+            try:
+                data = conn.recv(wire.MAX_MESSAGE + 1)
+            except BlockingIOError:
+                return
+            except ConnectionResetError:
+                # A peer that closed with an answer of ours unread: Linux says so once,
+                # *before* the datagrams it sent (an "expired" report, say), which are
+                # still queued. Read on; a second reset ends the connection.
+                if reset_seen:
+                    data = b""
+                else:
+                    reset_seen = True
+                    continue
+            except OSError:
+                data = b""
+            if not data:
+                self.end(conn)
+                return
+            try:
+                op, fields = wire.decode(data)
+                self.dispatch(conn, peer_pid, op, fields)
+            except BAD_MESSAGE:
+                self.drop()
+
+    def end(self, conn: socket.socket) -> None:
+        """Close ``conn``, then tell :attr:`closed`."""
+        peer_pid = self.peers.pop(conn, None)
+        if peer_pid is None:
+            return
+        self.loop.remove_reader(conn)
+        conn.close()
+        self.closed(conn, peer_pid)
+
+    def close(self) -> None:
+        """Close every connection and the listening socket (no callbacks)."""
+        for conn in list(self.peers):
+            self.loop.remove_reader(conn)
+            conn.close()
+        self.peers.clear()
+        self.loop.remove_reader(self.listener)
+        self.listener.close()

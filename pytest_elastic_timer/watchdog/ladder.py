@@ -1,0 +1,154 @@
+"""The escalation ladder, for one expired scope:
+
+1. interrupt -- the owner's interrupt signal raises ``ScopeExpired`` in the owning thread
+   (after the stacks of everything below the owner were taken: once it is interrupted,
+   harnesses tear their ranks down and the evidence is gone);
+2. dump      -- after the grace period, faulthandler dumps every thread of the owner;
+3. terminate -- SIGTERM (and SIGCONT) to the owner's process tree, children first,
+   SIGKILL to what survives ``kill_after``;
+4. record    -- one record per scope (:mod:`.recorder`).
+
+The ladder is a generator: each ``yield`` is the delay until its next step, and the
+watchdog's loop advances every running ladder through its timer heap, so one stuck
+process never delays another's escalation and a test can drive a ladder step by step.
+A scope that closes at any step (the owner unwound, or died) ends its ladder there.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable, Generator
+from typing import Any
+
+from pytest_elastic_timer.core import records
+from pytest_elastic_timer.core import table as tbl
+from pytest_elastic_timer.watchdog import proctree
+from pytest_elastic_timer.watchdog.dumps import Dumper
+from pytest_elastic_timer.watchdog.loop import Clock
+from pytest_elastic_timer.watchdog.owners import Expiry, Owner
+from pytest_elastic_timer.watchdog.recorder import Recorder
+
+CHECK_EVERY = 0.01  # how often a scope in its grace period is looked at
+GONE_CHECK = 0.02  # how often a signalled tree is looked at
+KILLED_PATIENCE = 2.0  # how long SIGKILLed processes may take to go
+
+
+class Ladder:
+    """Runs the ladder of each expired scope; its steps are generators of delays."""
+
+    def __init__(
+        self,
+        *,
+        clock: Clock,
+        dumper: Dumper,
+        recorder: Recorder,
+        kill_after: float,
+        root_pid: int,
+        read_pending: Callable[[Owner], None],
+        ending_root: Callable[[], None],
+    ) -> None:
+        self.clock = clock
+        self.dumper = dumper
+        self.recorder = recorder
+        self.kill_after = kill_after
+        self.root_pid = root_pid  # the pytest process
+        self.read_pending = read_pending  # reads what a connected owner sent, unread yet
+        self.ending_root = ending_root  # about to end pytest: report now, not after
+
+    def steps(
+        self, owner: Owner, expiry: Expiry, *, interrupt: bool = True
+    ) -> Generator[float, None, None]:
+        """The ladder of ``expiry``; without ``interrupt`` the owner was not signalled
+        (it raised by itself and said so)."""
+        table = owner.table
+        if interrupt:
+            expiry.children = yield from self.dumper.descendants(owner)
+        signum = int(table.words[tbl.H_INTERRUPT_SIG])
+        if interrupt and signum:
+            proctree.send([owner.proc], signum)
+        # Without an interrupt to give the owner, there is nothing to wait for.
+        grace_end = expiry.deadline + (expiry.grace if signum else 0.0)
+        while True:
+            if closed(owner, expiry):
+                self._closed(owner, expiry)
+                return
+            now = self.clock()
+            if table.floats[tbl.H_SUSPENDED]:  # a debugger holds the owner: so is the grace
+                grace_end = max(grace_end, now + expiry.grace)
+            if now >= grace_end:
+                break
+            yield min(CHECK_EVERY, grace_end - now)
+        stack = yield from self.dumper.owner(owner)
+        stack = stack or expiry.reported_stack()
+        yield from self._terminate(owner, expiry, stack)
+
+    def _closed(self, owner: Owner, expiry: Expiry) -> None:
+        self.read_pending(owner)  # its report may be in flight
+        if expiry.recorded:
+            forget(owner, expiry)
+        elif expiry.report is not None or not proctree.alive([owner.proc]):
+            self.record(owner, expiry, "interrupted", expiry.reported_stack(), [])
+        else:
+            forget(owner, expiry)  # unwound by an enclosing scope: no record of its own
+
+    def _terminate(self, owner: Owner, expiry: Expiry, stack: str) -> Generator[float, None, None]:
+        tree = proctree.tree_of(owner.proc, {os.getpid()})
+        if not expiry.children:
+            expiry.children = [proctree.describe(p) for p in tree if p.pid != owner.pid]
+        ended = [proctree.describe(p) for p in tree]
+        if owner.pid == self.root_pid:
+            # Ending pytest itself: whoever waits for it must find the report and the
+            # summary the moment it is gone, so they come first (and again, final, later).
+            self.record(owner, expiry, "terminated", stack, ended, final=False)
+            self.ending_root()
+        proctree.send(tree, signal.SIGTERM)
+        proctree.send(tree, signal.SIGCONT)  # a stopped process acts on SIGTERM once it runs
+        give_up = self.clock() + self.kill_after
+        while proctree.alive(tree) and self.clock() < give_up:
+            yield GONE_CHECK
+        survivors = proctree.alive(tree)
+        action = "terminated"
+        if survivors:
+            proctree.send(survivors, signal.SIGKILL)
+            if owner.proc in survivors:
+                action = "killed"
+            give_up = self.clock() + KILLED_PATIENCE
+            while proctree.alive(survivors) and self.clock() < give_up:
+                yield GONE_CHECK
+        unkillable = [proctree.describe(p) for p in proctree.alive(tree)]
+        record = self.record(owner, expiry, action, stack, ended)
+        if unkillable:
+            record.stack += f"\n(still alive after SIGKILL: {unkillable})"
+
+    def record(
+        self,
+        owner: Owner,
+        expiry: Expiry,
+        action: str,
+        stack: str,
+        ended: list[dict[str, Any]],
+        *,
+        final: bool = True,
+    ) -> records.ExpiryRecord:
+        """Record ``expiry``; a final record ends its escalation, an early one is
+        superseded by a later record of the same scope."""
+        if final:
+            forget(owner, expiry)
+        else:
+            expiry.recorded = True
+        return self.recorder.expired(owner, expiry, action, stack, ended)
+
+
+def closed(owner: Owner, expiry: Expiry) -> bool:
+    """Whether the scope of ``expiry`` is no longer open (or its owner is gone)."""
+    if expiry.slot < 0:
+        return True
+    slot = owner.table.read_slot(expiry.slot)
+    return slot is None or slot.serial != expiry.serial or not proctree.alive([owner.proc])
+
+
+def forget(owner: Owner, expiry: Expiry) -> None:
+    """End the escalation of ``expiry``: the scope is never escalated again."""
+    owner.expiries.pop(expiry.serial, None)
+    owner.finished.add(expiry.serial)

@@ -1,0 +1,195 @@
+"""Who owns scopes: the processes registered with the watchdog, and their tables.
+
+A process connects, and the kernel tells who it is (``SO_PEERCRED``): a peer of
+another user, or one that is not a descendant of the pytest process that started the
+session (checked by pid and start time), is refused before it says a word. Its
+``hello`` must then carry its real pid and name a table that lies in the session
+directory, is named after that pid and carries that pid in its header. So a scope
+always belongs to the process that entered it, and no message can make the watchdog
+signal a process outside the session.
+
+Processes that cannot keep a table of their own (torch file-timer clients) are
+*adopted*: the watchdog keeps a table for them in its own memory.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from collections.abc import Generator, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+from pytest_elastic_timer.core import startup, wire
+from pytest_elastic_timer.core import table as tbl
+from pytest_elastic_timer.watchdog import proctree
+
+_UCRED = struct.Struct("3i")
+
+
+@dataclass(eq=False)
+class Expiry:
+    """A scope past its deadline, while its escalation runs."""
+
+    slot: int  # -1: known only from the owner's report
+    serial: int
+    path: str
+    site: str
+    nodeid: str
+    start: float  # 0.0: known only from the owner's report
+    deadline: float
+    grace: float
+    thread_id: int
+    report: dict[str, Any] | None = None  # what the owner said when it raised
+    children: list[dict[str, Any]] = field(default_factory=list)  # their stacks at expiry
+    recorded: bool = False  # a preliminary record was written
+    steps: Generator[float, None, None] | None = None  # the ladder, step by step
+
+    def reported_stack(self) -> str:
+        """The stack the owner sent when it raised ("" if it did not)."""
+        return str((self.report or {}).get("stack", ""))
+
+
+@dataclass(eq=False)
+class Owner:
+    """A process that owns scopes: its identity, its table, its connection, and the
+    escalations running against it."""
+
+    ident: proctree.ProcessId
+    proc: psutil.Process
+    table: tbl.ScopeTable
+    conn: socket.socket | None  # None for an adopted process
+    dump_path: str
+    expiries: dict[int, Expiry] = field(default_factory=dict)  # serial -> escalation
+    finished: set[int] = field(default_factory=set)  # serials whose escalation ended
+    next_scan: float = float("inf")
+
+    @property
+    def pid(self) -> int:
+        return self.ident.pid
+
+    def header_text(self, word: int) -> str:
+        """The string a header word of the table points at (label, worker, phase)."""
+        return self.table.string(int(self.table.words[word]))
+
+    def environ(self, name: str) -> str:
+        """The process's environment variable ``name`` ("" if unset or unreadable)."""
+        try:
+            return str(self.proc.environ().get(name, ""))
+        except Exception:  # gone, or not ours to read
+            return ""
+
+
+class Refused(wire.BadMessage):
+    """A hello refused with an answer that says why (and counted as dropped)."""
+
+
+class Owners(Mapping[int, Owner]):
+    """The registered processes by pid (a mapping), and the adopted ones in
+    :attr:`adopted`."""
+
+    def __init__(self, directory: str, root: proctree.ProcessId, dump_signal: int) -> None:
+        self.directory = directory
+        self.root = root
+        self.dump_signal = dump_signal  # every Python process of the session dumps on it
+        self.registered: dict[int, Owner] = {}
+        self.adopted: dict[int, Owner] = {}
+
+    def __getitem__(self, pid: int) -> Owner:
+        return self.registered[pid]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.registered)
+
+    def __len__(self) -> int:
+        return len(self.registered)
+
+    def everyone(self) -> list[Owner]:
+        """Registered and adopted processes."""
+        return [*self.registered.values(), *self.adopted.values()]
+
+    def is_current(self, owner: Owner) -> bool:
+        """Whether ``owner`` is still the one kept for its pid (not replaced)."""
+        return owner is self.registered.get(owner.pid) or owner is self.adopted.get(owner.pid)
+
+    def workers(self) -> set[str]:
+        """The xdist worker ids the registered processes name in their tables."""
+        return {w for o in self.registered.values() if (w := o.header_text(tbl.H_WORKER_SID))}
+
+    # -- registration -------------------------------------------------------------
+    def peer(self, conn: socket.socket) -> int | None:
+        """The pid of the process at the other end of ``conn``, if it may talk to the
+        watchdog: the same user, and a process of this session."""
+        if not hasattr(socket, "SO_PEERCRED"):  # not Linux: see docs/platforms.md
+            return None
+        pid, uid, _ = _UCRED.unpack(
+            conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+        )
+        if uid != os.getuid() or not proctree.is_descendant(pid, self.root):
+            return None
+        return int(pid)
+
+    def admit(self, conn: socket.socket, peer_pid: int, fields: dict[str, Any]) -> Owner:
+        """The owner the hello of the peer of ``conn`` describes, its table mapped
+        (registered with :meth:`add`). Raises :class:`Refused` or ``BadMessage``."""
+        # The pid in the message must be the kernel's word for the peer.
+        if wire.field(fields, "pid", int) != peer_pid:
+            raise Refused("pid does not match the connection")
+        path = os.path.realpath(wire.field(fields, "table", str))
+        if os.path.dirname(path) != os.path.realpath(self.directory) or not os.path.basename(
+            path
+        ).startswith(f"table-{peer_pid}-"):
+            raise Refused("table outside the session directory")
+        dump = wire.field(fields, "dump", str)
+        if dump and os.path.dirname(os.path.realpath(dump)) != os.path.realpath(self.directory):
+            dump = ""
+        ident = proctree.ProcessId.of(peer_pid)
+        proc = ident.process() if ident else None
+        if ident is None or proc is None:
+            raise wire.BadMessage("peer is gone")
+        table = tbl.ScopeTable.open(path)
+        if table.words[tbl.H_PID] != peer_pid:
+            table.close()
+            raise wire.BadMessage("table of another process")
+        return Owner(ident, proc, table, conn, dump)
+
+    def add(self, owner: Owner) -> None:
+        """Register ``owner``, in place of an earlier process of its pid."""
+        self.registered[owner.pid] = owner
+
+    def on(self, conn: socket.socket, peer_pid: int) -> Owner | None:
+        """The owner registered on ``conn``, if its peer said hello there."""
+        owner = self.registered.get(peer_pid)
+        return owner if owner is not None and owner.conn is conn else None
+
+    def adopt(self, pid: int) -> Owner | None:
+        """The adopted process ``pid``, adopted now (with a fresh table) unless it
+        already is and still runs; None for a process outside the session."""
+        owner = self.adopted.get(pid)
+        if owner is not None and proctree.alive([owner.proc]):
+            return owner
+        if not proctree.is_descendant(pid, self.root) or pid == os.getpid():
+            return None
+        ident = proctree.ProcessId.of(pid)
+        proc = ident.process() if ident else None
+        if ident is None or proc is None:
+            return None
+        table = tbl.ScopeTable.create(None)
+        owner = Owner(ident, proc, table, None, startup.dump_path(self.directory, pid))
+        dump_sig = self.dump_signal
+        table.words[tbl.H_PID] = pid
+        table.words[tbl.H_INTERRUPT_SIG] = 0  # it has no handler: no soft interrupt
+        table.words[tbl.H_DUMP_SIG] = dump_sig if startup.catches(pid, dump_sig) else 0
+        table.words[tbl.H_LABEL_SID] = table.add_string(proctree.label_of(proc))
+        worker = owner.environ("PYTEST_XDIST_WORKER")
+        table.words[tbl.H_WORKER_SID] = table.add_string(worker) if worker else 0
+        self.adopted[pid] = owner
+        return owner
+
+    def close(self) -> None:
+        """Unmap every table."""
+        for owner in self.everyone():
+            owner.table.close()
