@@ -3,8 +3,8 @@
 Every record is appended to ``records.jsonl`` the moment it is made (``O_APPEND``,
 then ``fsync``), so it outlives any process, pytest's and the watchdog's included. A
 record made early (the owner reported its interrupt, or the watchdog is about to end
-pytest itself) is superseded by the final one of the same scope, identified by owner
-pid and serial; readers keep the last line per scope.
+pytest itself) is superseded by the final one of the same scope (``ExpiryRecord.key``);
+readers keep the last line per scope.
 """
 
 from __future__ import annotations
@@ -82,8 +82,7 @@ class Recorder:
                 amend(record)
             except Exception as exc:
                 sys.stderr.write(f"pytest-elastic-timer: amending a record: {exc!r}\n")
-        key = (record.pid, record.serial)
-        self.records = [r for r in self.records if (r.pid, r.serial) != key]
+        self.records = [r for r in self.records if r.key != record.key]
         self.records.append(record)
         try:
             records.append_record(self.path, record)
