@@ -34,6 +34,7 @@ from pytest_elastic_timer.scope.client import ENV_ADDRESS
 from pytest_elastic_timer.sync import protocol
 from pytest_elastic_timer.watchdog import proctree
 from pytest_elastic_timer.watchdog.__main__ import Assembly, build
+from pytest_elastic_timer.watchdog.loop import ManualClock
 from pytest_elastic_timer.watchdog.server import Watchdog
 
 SLACK = 0.5  # how long after its timeout a waiter may be released
@@ -439,6 +440,93 @@ for call in (lambda: et.barrier("b", 2, 1), lambda: et.Event("e").wait(1),
         in line
         for line in lines
     )
+
+
+# -- the server driven step by step, on a manual clock -------------------------------
+@pytest.fixture
+def stepped() -> Iterator[tuple[Assembly, ManualClock]]:
+    """A watchdog with its intakes on a manual clock, run one turn at a time."""
+    directory = tempfile.mkdtemp(prefix="pet-sync-")
+    root = proctree.ProcessId.of(os.getpid())
+    assert root is not None
+    clock = ManualClock()
+    assembly = build(directory, root=root, grace=30.0, scale=1.0, clock=clock)
+    yield assembly, clock
+    assembly.close()
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+class Call:
+    """One hand-made call on a connection of its own, as the client makes it."""
+
+    def __init__(self, dog: Watchdog, op: str, **fields: Any) -> None:
+        self.dog = dog
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sock.connect(dog.address)
+        dog.run_once(max_wait=0)  # accepted
+        self.sock.send(wire.encode(op, **fields))
+        dog.run_once(max_wait=0)  # read
+
+    def answer(self) -> tuple[str, dict[str, Any]] | None:
+        """The answer, if the watchdog gave one."""
+        try:
+            return wire.decode(self.sock.recv(wire.MAX_MESSAGE, socket.MSG_DONTWAIT))
+        except BlockingIOError:
+            return None
+
+
+def test_a_barrier_round_times_out_at_its_first_deadline_for_everyone_at_once(
+    stepped: tuple[Assembly, ManualClock],
+) -> None:
+    assembly, clock = stepped
+    dog = assembly.dog
+    first = Call(dog, protocol.OP_BARRIER, name="b", parties=3, timeout=0.5, label="rank 0")
+    clock.advance(0.1)
+    second = Call(dog, protocol.OP_BARRIER, name="b", parties=3, timeout=0.5, label="rank 1")
+    clock.advance(0.4 - 1e-6)
+    dog.run_once(max_wait=0)
+    assert (first.answer(), second.answer()) == (None, None)
+    clock.advance(1e-6)
+    dog.run_once(max_wait=0)
+    answers = [first.answer(), second.answer()]
+    assert [a[0] if a else None for a in answers] == [protocol.TIMEOUT] * 2
+    elapsed = [a[1]["elapsed"] for a in answers if a]
+    assert elapsed == [pytest.approx(0.5), pytest.approx(0.4)]
+    assert [(r.scope, r.label) for r in dog.records] == [
+        ("barrier:b", "rank 0"),
+        ("barrier:b", "rank 1"),
+    ]
+    assert dog.session["sync"]["barrier"]["b"] == {"timeouts": 1, "parties": 3}
+    assert assembly.sync.calls == {}
+    for call in (first, second):
+        call.sock.close()
+
+
+def test_a_lock_waiter_times_out_at_its_deadline_naming_the_holder(
+    stepped: tuple[Assembly, ManualClock],
+) -> None:
+    assembly, clock = stepped
+    dog = assembly.dog
+    holder = Call(dog, protocol.OP_LOCK_ACQUIRE, name="gpu", timeout=5, label="holder")
+    assert holder.answer() is not None
+    clock.advance(1.0)
+    waiter = Call(dog, protocol.OP_LOCK_ACQUIRE, name="gpu", timeout=0.25, label="late")
+    clock.advance(0.25 - 1e-6)
+    dog.run_once(max_wait=0)
+    assert waiter.answer() is None
+    clock.advance(1e-6)
+    dog.run_once(max_wait=0)
+    answer = waiter.answer()
+    assert answer is not None and answer[0] == protocol.TIMEOUT
+    assert answer[1]["holder"]["label"] == "holder"
+    assert answer[1]["held"] == pytest.approx(1.25)
+    (record,) = dog.records
+    assert (record.scope, record.label, record.budget) == ("lock:gpu", "late", 0.25)
+    # The holder's connection closes: the lock is free, and nobody waits for it.
+    holder.sock.close()
+    dog.run_once(max_wait=0)
+    assert assembly.sync.calls == {}
+    waiter.sock.close()
 
 
 # -- real processes in inner sessions ------------------------------------------------

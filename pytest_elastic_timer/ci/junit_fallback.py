@@ -5,7 +5,7 @@ killed (``kill -9``, the OOM killer, a CI step timeout, or the watchdog ending a
 in a single-process session) leaves no file, and the CI job shows no failed test at
 all. The watchdog outlives pytest, so it writes the file instead: one ``<testcase>``
 per test with an expired scope, failed with the same ``<failure>`` and properties that
-:mod:`.ci_reports` adds to pytest's own file, plus one ``<error>`` testcase
+:mod:`.reports` adds to pytest's own file, plus one ``<error>`` testcase
 ``pytest.session`` that says pytest was ended before it could write its report.
 
 Nothing here imports pytest: it runs in the watchdog process.
