@@ -22,14 +22,13 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import psutil
 import pytest
-from helpers import ENV_DUMP_SIGNAL
+from helpers import ENV_DUMP_SIGNAL, pump, write_slot
 
 from pytest_elastic_timer.core import records, wire
 from pytest_elastic_timer.core import table as tbl
@@ -74,16 +73,6 @@ class Stepper:
         self.turn()
 
 
-def pump(dog: Watchdog, until: Callable[[], bool], timeout: float) -> bool:
-    """Real time: run ``dog``'s loop until ``until()`` holds, at most ``timeout`` s."""
-    give_up = time.monotonic() + timeout
-    while time.monotonic() < give_up:
-        if until():
-            return True
-        dog.run_once(max_wait=0.01)
-    return until()
-
-
 class Client:
     """This process as a client of a stepped watchdog: a socket, a table, raw messages."""
 
@@ -125,7 +114,7 @@ class Client:
         returns its deadline."""
         now = self.step.clock()
         sid = self.table.add_string(f"scope-{serial}")
-        self.table.write_slot(slot, serial, now + after, now, 1, sid, 0, 0, 0.0, 0, 0)
+        write_slot(self.table, slot, serial=serial, deadline=now + after, start=now, path_sid=sid)
         self.table.words[tbl.H_HWM] = max(int(self.table.words[tbl.H_HWM]), slot + 1)
         self.send(wire.encode("wake", at=now + after))
         return now + after
