@@ -592,7 +592,7 @@ def test_a_rank_that_died_in_an_op_is_told_apart_from_one_that_exited(ranks: Any
     assert [col.died_in_an_op(r) for r in found] == [True, False]
     text = col.ranks_text(found, NOW).splitlines()
     assert text[0].startswith(
-        f"rank 0, pid {found[0].pid} (died): in all_reduce #2 (group default) for "
+        f"rank 0, pid {found[0].pid} (died): in all_reduce #2 (group default) at "
     )
     assert text[0].endswith("at train.py:40, float32[4]; last completed all_reduce #1")
     assert text[1].startswith(f"rank 1, pid {found[1].pid} (exited): in all_reduce #2")

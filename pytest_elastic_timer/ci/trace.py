@@ -10,7 +10,11 @@ records into one trace:
   (``gw0 rank 1 (pid 4242)``), the pytest process first;
 - one complete event (``"ph": "X"``) per scope, on the thread that entered it; a scope
   whose process was ended before it could leave the scope gets one from its record;
-- one instant event (``"ph": "i"``) per expired scope, at its deadline.
+- one instant event (``"ph": "i"``) per expired scope, at its deadline;
+- one complete event per torch.distributed op a process recorded (the last 256 of each
+  process, from its collectives ring), on a ``collectives`` thread of its track: a
+  rank missing from a collective shows as the gap where the others' op goes on, and an
+  op that never ended lasts to the end of the trace.
 
 Timestamps are microseconds of ``time.monotonic()`` counted from the first scope.
 Open the file in https://ui.perfetto.dev or ``chrome://tracing``; or render a small
@@ -30,11 +34,13 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
+from pytest_elastic_timer.core import collectives as ring_format
 from pytest_elastic_timer.core.records import ExpiryRecord
 
 TRACE_VERSION = 1
 TRACE_GLOB = "trace-*"
 _TOLERANCE = 0.01  # seconds between a record's start and its scope's traced start
+COLLECTIVES_THREAD = -1  # the thread ident that stands for a process's collectives row
 
 
 def read_events(directory: str) -> list[dict[str, Any]]:
@@ -55,6 +61,12 @@ def read_events(directory: str) -> list[dict[str, Any]]:
             if isinstance(event, dict):
                 events.append(event)
     return events
+
+
+def read_collectives(directory: str) -> list[dict[str, Any]]:
+    """Every op recorded in the session ``directory``'s collectives rings, as events
+    (see :func:`pytest_elastic_timer.core.collectives.trace_events`)."""
+    return ring_format.trace_events(ring_format.read_rings(ring_format.ring_paths(directory)))
 
 
 class _Tracks:
@@ -103,6 +115,8 @@ class _Tracks:
                 out.append(_meta("process_labels", pid, 0, labels=label))
             for ident, tid in sorted(self.threads.get(pid, {}).items(), key=lambda x: x[1]):
                 name = f"thread {tid}" + (f" (ident {ident})" if ident else "")
+                if ident == COLLECTIVES_THREAD:
+                    name = "collectives"
                 out.append(_meta("thread_name", pid, tid, name=name))
                 out.append(_meta("thread_sort_index", pid, tid, sort_index=tid))
         return out
@@ -158,10 +172,13 @@ def build(
     events: Iterable[dict[str, Any]],
     records: Iterable[ExpiryRecord],
     session: dict[str, Any] | None = None,
+    collectives: Iterable[dict[str, Any]] = (),
 ) -> dict[str, Any]:
-    """The Chrome trace object for ``events`` (from :func:`read_events`) and the
-    watchdog's expiry ``records``."""
+    """The Chrome trace object for ``events`` (from :func:`read_events`), the
+    watchdog's expiry ``records`` and the recorded torch.distributed ops
+    (``collectives``, from :func:`read_collectives`)."""
     session = dict(session or {})
+    collectives = list(collectives)
     events = sorted(
         _known_threads(list(events)), key=lambda e: (float(e["start"]), -float(e["end"]))
     )
@@ -169,6 +186,7 @@ def build(
     tracks = _Tracks(int(session.get("pid", 0) or 0))
     starts = [float(e["start"]) for e in events]
     starts += [s for s in map(_record_start, records) if s is not None]
+    starts += [float(c["start"]) for c in collectives]
     zero = min(starts, default=0.0)
 
     def us(seconds: float) -> float:
@@ -235,6 +253,31 @@ def build(
                 },
             }
         )
+    # An op that never ended (its rank hung or died in it) lasts to the trace's end.
+    last = max(
+        [float(e["end"]) for e in events]
+        + [r.ended or r.deadline for r in records]
+        + [float(c["end"] or c["start"]) for c in collectives],
+        default=zero,
+    )
+    for op in collectives:
+        pid = int(op["pid"])
+        tracks.process(pid, str(op.get("worker", "")), str(op.get("label", "")))
+        start = float(op["start"])
+        ended = op["end"] is not None
+        item = _slice(
+            str(op["name"]),
+            us(start),
+            (float(op["end"]) if ended else last) - start,
+            pid,
+            tracks.thread(pid, COLLECTIVES_THREAD),
+        )
+        item["cat"] = "collective"
+        item["args"] = {key: op[key] for key in ("op", "group", "seq", "state", "site", "tensors")}
+        item["args"]["path"] = str(op["name"])
+        if not ended:
+            item["cname"] = "terrible"
+        out.append(item)
     return {
         "traceEvents": tracks.metadata() + out,
         "displayTimeUnit": "ms",
@@ -253,10 +296,11 @@ def write(
     events: Iterable[dict[str, Any]],
     records: Iterable[ExpiryRecord],
     session: dict[str, Any],
+    collectives: Iterable[dict[str, Any]] = (),
 ) -> dict[str, Any]:
-    """Write the trace of ``events`` (see :func:`read_events`) and ``records`` to
-    ``path``, atomically; returns it."""
-    trace = build(events, records, session)
+    """Write the trace of ``events`` (see :func:`read_events`), ``records`` and
+    ``collectives`` (see :func:`read_collectives`) to ``path``, atomically; returns it."""
+    trace = build(events, records, session, collectives)
     target = os.path.abspath(path)
     os.makedirs(os.path.dirname(target), exist_ok=True)
     tmp = f"{target}.tmp{os.getpid()}"
@@ -277,7 +321,8 @@ def pytest_elastic_timer_session_end(
         return
     facts = {"pid": session.pid, "started": session.started, "args": session.args}
     try:
-        write(session.trace, read_events(session.directory), records, facts)
+        directory = session.directory
+        write(session.trace, read_events(directory), records, facts, read_collectives(directory))
     except OSError as exc:
         sys.stderr.write(f"pytest-elastic-timer: cannot write {session.trace}: {exc}\n")
 
@@ -331,7 +376,8 @@ def render_html(trace: dict[str, Any], title: str = "pytest-elastic-timer trace"
         for depth, event in placed:
             top = y + 4 + depth * _ROW
             left, width = x(event["ts"]), max(event["dur"] * scale, 1.0)
-            colour = "#e15759" if event["args"].get("expired") else _COLOURS[depth % 7]
+            hung = event.get("cname") == "terrible"  # expired, or an op that never ended
+            colour = "#e15759" if event["args"].get("expired") or hung else _COLOURS[depth % 7]
             label = html.escape(str(event["name"]))
             tip = html.escape(
                 f"{event['args'].get('path')} ({event['dur'] / 1e6:.3f}s)"

@@ -693,8 +693,10 @@ def ranks_text(rings: list[Ring], now: float) -> str:
         head = f"rank {ring.rank}, pid {ring.pid} ({status})"
         blocked, last = ring.blocked(), ring.last()
         if blocked is not None:
-            text = f"{head}: in {blocked.describe()} (group {blocked.group}) for "
-            text += f"{max(0.0, now - blocked.start):.1f}s at {_short(blocked.site)}"
+            text = f"{head}: in {blocked.describe()} (group {blocked.group})"
+            if status == "running":  # a dead rank's time in the op ended with it
+                text += f" for {max(0.0, now - blocked.start):.1f}s"
+            text += f" at {_short(blocked.site)}"
             if blocked.tensors:
                 text += f", {blocked.tensors.replace(';', ', ')}"
             done = [e for e in ring.current() if not e.started]

@@ -1,5 +1,6 @@
 """Failed reports about expired scopes: the scope line first, sections for expiries in
-processes the test started, the scope's facts as ``user_properties``, the ``TIMEOUT``
+processes the test started (and for torch.distributed ranks of the test that died in a
+collective), the scope's facts as ``user_properties``, the ``TIMEOUT``
 status, and the plugin's ``pytest_elastic_timer_expired`` hook.
 
 Nothing here runs for a passing test: :func:`watch_failures` registers these plugins
@@ -10,15 +11,21 @@ failures arrive at any time).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Generator
 from typing import Any
 
 import pytest
 from _pytest._code.code import ExceptionChainRepr, ReprEntryNative, ReprExceptionInfo
 
-from pytest_elastic_timer.core import records
+from pytest_elastic_timer.core import collectives, records
 from pytest_elastic_timer.core.records import ExpiryRecord
-from pytest_elastic_timer.plugin.state import SESSION, expiry_records, is_worker
+from pytest_elastic_timer.plugin.state import (
+    SESSION,
+    expiry_records,
+    is_worker,
+    session_directory,
+)
 from pytest_elastic_timer.plugin.xdist_support import SCOPE_PROPERTY, ExpiryRepr
 from pytest_elastic_timer.scope.scopes import ScopeExpired
 
@@ -103,6 +110,7 @@ class ExpiryReports:
                 # Its facts travel with the report (to an xdist controller).
                 _add_properties(report, _record_of(item, exc))
             _add_process_sections(item, report)
+            _add_collective_sections(item, report)
         return report
 
 
@@ -172,6 +180,9 @@ def _add_process_sections(item: pytest.Item, report: pytest.TestReport) -> None:
             report.sections.append(
                 (f"elastic-timer: expired in {record.owner_text()}", records.format_record(record))
             )
+        elif record.collective:
+            line = collectives.collective_line(record.collective, record.rank_stacks())
+            report.sections.append(("elastic-timer: collective", line))
         for child in record.children:
             if child.get("stack"):
                 who = ", ".join(
@@ -180,6 +191,22 @@ def _add_process_sections(item: pytest.Item, report: pytest.TestReport) -> None:
                 report.sections.append(
                     (f"elastic-timer: stack of {who} at expiry", str(child["stack"]))
                 )
+
+
+def _add_collective_sections(item: pytest.Item, report: pytest.TestReport) -> None:
+    """A rank of the test died inside an op (gloo aborts a rank on some mismatches):
+    what each of the test's ranks was in, from their rings."""
+    directory = session_directory(item.config)
+    if not directory:
+        return
+    found = collectives.rings_of_test(directory, item.nodeid)
+    if any(collectives.died_in_an_op(ring) for ring in found):
+        report.sections.append(
+            (
+                "elastic-timer: collectives of the test's ranks",
+                collectives.ranks_text(found, time.monotonic()),
+            )
+        )
 
 
 def _lead_with_scope_line(report: pytest.TestReport, exc: ScopeExpired) -> None:

@@ -71,6 +71,19 @@ def uses_xdist(config: pytest.Config) -> bool:
     return config.pluginmanager.hasplugin("dsession")
 
 
+def session_directory(config: pytest.Config) -> str:
+    """The watchdog's session directory, also in an xdist worker ("" without one)."""
+    state = config.stash.get(SESSION, None)
+    if state is None:
+        return ""
+    if state.watchdog is not None:
+        return state.watchdog.directory
+    process = scopes.current_state()
+    if process is not None and process.sock is not None and process.address:
+        return os.path.dirname(process.address)
+    return ""
+
+
 def expiry_records(config: pytest.Config) -> list[records.ExpiryRecord]:
     """The watchdog's records so far (after a sync); also in an xdist worker, which
     finds them beside the watchdog's socket."""

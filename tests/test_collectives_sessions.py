@@ -1,0 +1,371 @@
+"""Hung collectives named by the watchdog: real gloo ranks in real pytest sessions.
+
+The ranks never import this package: they are started with ``torch.multiprocessing``
+from a module (``ranks.py``) that imports torch only, or by torch's own
+``MultiProcessTestCase``. The session's start-up hook records their ops; when the test's
+scope expires, the watchdog aligns the rings into the record's ``collective`` field,
+says it on the terminal in one line, labels the ranks ``rank N``, and when a rank dies
+the test's failure shows the collective each rank was in.
+
+Torch starts slowly, so one inner session runs every ``mp.spawn`` case and the tests
+below read it (the first test to ask runs it, inside its own leftover check).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch", reason="the collective tests need torch (gloo backend)")
+pytest.importorskip("torch.distributed", reason="torch without torch.distributed")
+
+from helpers import (
+    LEAN,
+    REPORT_NAME,
+    Session,
+    failure_block,
+    sections,
+    top_level_environment,
+    wait_gone,
+)
+
+TORCH_TIMEOUT = 300  # an inner session of several torch rank pairs on a loaded machine
+TORCH_BUDGET = 400
+
+RANKS = '''
+"""Ranks of the inner tests: torch only, never pytest_elastic_timer."""
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def note(test, rank, what):
+    os.makedirs(os.path.join(HERE, "pids"), exist_ok=True)
+    with open(os.path.join(HERE, "pids", f"{test}-{rank}.{what}"), "w") as f:
+        f.write(str(os.getpid()))
+
+
+def join(rank, port, test):
+    note(test, rank, "pid")
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
+    )
+
+
+def missing(rank, port):
+    join(rank, port, "test_missing")
+    dist.all_reduce(torch.ones(4))  # all_reduce #1
+    dist.broadcast(torch.ones(4), 0)  # broadcast #2
+    note("test_missing", rank, "ready")
+    if rank == 1:
+        time.sleep(3600)  # rank 1 never reaches all_reduce #3
+    dist.all_reduce(torch.ones(4))  # all_reduce #3: rank 0 waits here
+
+
+def desync(rank, port):
+    join(rank, port, "test_desync")
+    dist.broadcast(torch.ones(4), 0)  # broadcast #1
+    note("test_desync", rank, "ready")
+    if rank == 0:
+        dist.all_reduce(torch.ones(4))  # #2 on rank 0
+    else:
+        dist.broadcast(torch.ones(4), 1)  # #2 on rank 1
+
+
+def shapes(rank, port):
+    join(rank, port, "test_shapes")
+    dist.all_reduce(torch.ones(4))  # all_reduce #1
+    dist.all_reduce(torch.ones(4 if rank == 0 else 1000))  # #2: gloo aborts rank 0
+
+
+def passing(rank, port, out):
+    join(rank, port, os.path.basename(out))
+    t = torch.arange(4, dtype=torch.float32) * (rank + 1)
+    dist.all_reduce(t)
+    gathered = [torch.zeros(2) for _ in range(2)]
+    dist.all_gather(gathered, torch.full((2,), float(rank)))
+    b = torch.full((3,), float(rank))
+    dist.broadcast(b, 1)
+    objects = [None, None]
+    dist.all_gather_object(objects, {"rank": rank})
+    work = dist.all_reduce(torch.ones(2), async_op=True)
+    work.wait()
+    if rank == 0:
+        dist.send(torch.tensor([7.0]), 1)
+    else:
+        got = torch.zeros(1)
+        dist.recv(got, 0)
+        assert got.item() == 7.0
+    if rank == 0:
+        with open(out, "w") as f:
+            f.write(repr([t.tolist(), [g.tolist() for g in gathered], b.tolist(), objects]))
+    dist.destroy_process_group()
+'''
+
+TESTS = '''
+import os
+import socket
+import time
+
+import pytest
+import torch.multiprocessing as mp
+
+import pytest_elastic_timer as et
+import ranks
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(target, *args):
+    return mp.start_processes(
+        target, args=(free_port(), *args), nprocs=2, join=False, start_method="spawn"
+    )
+
+
+def wait_ready(ctx, test):
+    """Until both ranks stand where the test wants them (torch starts slowly)."""
+    paths = [os.path.join(HERE, "pids", f"{test}-{r}.ready") for r in (0, 1)]
+    while not all(os.path.exists(p) for p in paths):
+        ctx.join(timeout=0.05)
+
+
+def end(ctx):
+    for proc in ctx.processes:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(30)
+
+
+@pytest.mark.expires(120)
+def test_missing():
+    ctx = start(ranks.missing)
+    try:
+        wait_ready(ctx, "test_missing")
+        time.sleep(0.5)  # rank 0 is in all_reduce #3 by now
+        with et.expires(after=2, scope="collective"):
+            while not ctx.join(timeout=0.05):
+                pass
+    finally:
+        end(ctx)
+
+
+@pytest.mark.expires(120)
+def test_desync():
+    ctx = start(ranks.desync)
+    try:
+        wait_ready(ctx, "test_desync")
+        time.sleep(0.5)
+        with et.expires(after=2, scope="collective"):
+            while not ctx.join(timeout=0.05):
+                pass
+    finally:
+        end(ctx)
+
+
+@pytest.mark.expires(120)
+def test_shapes():
+    ctx = start(ranks.shapes)
+    try:
+        while not ctx.join(timeout=0.05):  # raises once gloo aborted rank 0
+            pass
+    finally:
+        end(ctx)
+
+
+@pytest.mark.expires(120)
+@pytest.mark.parametrize("recorder", ["on", "off"])
+def test_passing(recorder, monkeypatch):
+    monkeypatch.setenv("PYTEST_ELASTIC_TIMER_COLLECTIVES", "1" if recorder == "on" else "0")
+    out = os.path.join(HERE, f"passing-{recorder}")
+    ctx = start(ranks.passing, out)
+    try:
+        while not ctx.join(timeout=0.05):
+            pass
+    finally:
+        end(ctx)
+    directory = os.path.dirname(os.environ["PYTEST_ELASTIC_TIMER"])
+    pids = [open(os.path.join(HERE, "pids", f"passing-{recorder}-{r}.pid")).read() for r in (0, 1)]
+    rings = [
+        n for n in os.listdir(directory) if n.startswith("collectives-") and n.split("-")[1] in pids
+    ]
+    assert len(rings) == (2 if recorder == "on" else 0), rings
+'''
+
+
+def inner_env() -> dict[str, str]:
+    """A user's shell: no outer xdist worker id, no outer start-up hook on the path."""
+    env = dict(os.environ)
+    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_TESTRUNUID", "PYTEST_CURRENT_TEST"):
+        env.pop(name, None)
+    kept = [
+        p
+        for p in env.get("PYTHONPATH", "").split(os.pathsep)
+        if p and not os.path.exists(os.path.join(p, "sitecustomize.py"))
+    ]
+    env["PYTHONPATH"] = os.pathsep.join(kept)
+    return env
+
+
+def run_inner(directory: Path, *args: str) -> Session:
+    """Run pytest in ``directory`` as a subprocess (a real watchdog starts)."""
+    report = directory / REPORT_NAME
+    argv = [sys.executable, "-m", "pytest", *LEAN, f"--elastic-timer-report={report}", *args]
+    started = time.monotonic()
+    with top_level_environment():
+        done = subprocess.run(
+            argv,
+            cwd=directory,
+            env=inner_env(),
+            capture_output=True,
+            text=True,
+            timeout=TORCH_TIMEOUT,
+            check=False,
+        )
+    seconds = time.monotonic() - started
+    result = pytest.RunResult(
+        done.returncode, done.stdout.splitlines(), done.stderr.splitlines(), seconds
+    )
+    loaded = json.loads(report.read_text()) if report.exists() else None
+    return Session(result, seconds, done.stdout, done.stderr, loaded, None)
+
+
+_SESSIONS: dict[str, tuple[Path, Session]] = {}
+
+
+@pytest.fixture
+def spawned(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Session]:
+    """The inner session of the ``mp.spawn`` cases (run by the first test that asks)."""
+    if "spawned" not in _SESSIONS:
+        directory = tmp_path_factory.mktemp("spawned")
+        (directory / "ranks.py").write_text(RANKS, encoding="utf-8")
+        (directory / "test_ranks.py").write_text(TESTS, encoding="utf-8")
+        trace = f"--elastic-timer-trace={directory / 'trace.json'}"
+        _SESSIONS["spawned"] = (directory, run_inner(directory, "-rA", trace))
+    return _SESSIONS["spawned"]
+
+
+def record_of(session: Session, test: str) -> dict[str, Any]:
+    assert session.report is not None, session.text
+    found = [r for r in session.report["expired"] if r["nodeid"] == f"test_ranks.py::{test}"]
+    assert len(found) == 1, (test, session.report["expired"], session.text)
+    return found[0]
+
+
+def rank_pids(directory: Path, test: str) -> dict[int, int]:
+    found = {}
+    for rank in (0, 1):
+        path = directory / "pids" / f"{test}-{rank}.pid"
+        if path.exists():
+            found[rank] = int(path.read_text())
+    return found
+
+
+def line_of(directory: Path, marker: str) -> int:
+    text = (directory / "ranks.py").read_text(encoding="utf-8").splitlines()
+    return next(i for i, line in enumerate(text, 1) if marker in line)
+
+
+@pytest.mark.expires(TORCH_BUDGET)
+def test_the_sessions_outcomes(spawned: tuple[Path, Session]) -> None:
+    _, session = spawned
+    assert "INTERNALERROR" not in session.text
+    session.result.assert_outcomes(failed=3, passed=2)
+
+
+@pytest.mark.expires(TORCH_BUDGET)
+def test_a_shape_mismatch_that_kills_a_rank_shows_what_each_rank_was_in(
+    spawned: tuple[Path, Session],
+) -> None:
+    directory, session = spawned
+    block = failure_block(session, "test_shapes")
+    assert "SIGABRT" in block, block
+    (text,) = sections(block, "elastic-timer: collectives of the test's ranks")
+    lines = text.strip().splitlines()
+    site = f"ranks.py:{line_of(directory, '# #2: gloo aborts rank 0')}"
+    pids = rank_pids(directory, "test_shapes")
+    assert lines[0].startswith(f"rank 0, pid {pids[0]} (died): in all_reduce #2 (group default)")
+    assert f"at {site}, float32[4]; last completed all_reduce #1" in lines[0], text
+    # Rank 1 may have finished its all_reduce #2 (it sent, and got its 4 floats) before
+    # the harness ended it: either way it is named, dead, with that op.
+    assert lines[1].startswith(f"rank 1, pid {pids[1]} (died): "), text
+    assert "all_reduce #2" in lines[1], text
+    assert "shape mismatch: rank 0 [[4]], rank 1 [[1000]]" in lines[2], text
+
+
+@pytest.mark.expires(TORCH_BUDGET)
+def test_a_passing_multi_rank_test_is_unchanged_by_the_recorder(
+    spawned: tuple[Path, Session],
+) -> None:
+    directory, session = spawned
+    assert "PASSED test_ranks.py::test_passing[on]" in session.stdout
+    assert "PASSED test_ranks.py::test_passing[off]" in session.stdout
+    on, off = ((directory / f"passing-{k}").read_text() for k in ("on", "off"))
+    assert (
+        on
+        == off
+        == repr(
+            [
+                [0.0, 3.0, 6.0, 9.0],
+                [[0.0, 0.0], [1.0, 1.0]],
+                [1.0, 1.0, 1.0],
+                [{"rank": 0}, {"rank": 1}],
+            ]
+        )
+    )
+
+
+@pytest.mark.expires(TORCH_BUDGET)
+def test_collectives_are_slices_on_each_ranks_track(spawned: tuple[Path, Session]) -> None:
+    """The trace shows the gap: rank 0's all_reduce #3 runs to the end of the trace,
+    rank 1 has none, its last op is broadcast #2."""
+    directory, _ = spawned
+    trace = json.loads((directory / "trace.json").read_text())["traceEvents"]
+    pids = rank_pids(directory, "test_missing")
+    names = {e["pid"]: e["args"]["name"] for e in trace if e.get("name") == "process_name"}
+    assert names[pids[0]] == f"rank 0 (pid {pids[0]})", names
+    assert names[pids[1]] == f"rank 1 (pid {pids[1]})", names
+    ops = {
+        rank: [e for e in trace if e.get("cat") == "collective" and e["pid"] == pid]
+        for rank, pid in pids.items()
+    }
+    assert [e["name"] for e in ops[0]] == [
+        "init_process_group #0",
+        "all_reduce #1",
+        "broadcast #2",
+        "all_reduce #3",
+    ]
+    assert [e["name"] for e in ops[1]] == ["init_process_group #0", "all_reduce #1", "broadcast #2"]
+    hung = ops[0][-1]
+    assert (hung["args"]["state"], hung.get("cname")) == ("started", "terrible")
+    assert hung["dur"] > 2e6  # past the 2 s scope
+    assert all(e["args"]["state"] == "completed" for e in ops[1])
+    threads = {e["tid"] for e in ops[0]}
+    assert len(threads) == 1
+    (row,) = [e for e in trace if e.get("name") == "thread_name" and e["pid"] == pids[0]]
+    assert row["args"]["name"] == "collectives" and row["tid"] in threads
+
+
+@pytest.mark.expires(TORCH_BUDGET)
+def test_no_rank_outlives_its_test(spawned: tuple[Path, Session]) -> None:
+    directory, _ = spawned
+    pids = sorted(int(p.read_text()) for p in (directory / "pids").glob("*.pid"))
+    assert len(pids) == 10, pids  # five tests of two ranks
+    assert all(wait_gone(pid, 5.0) for pid in pids)
