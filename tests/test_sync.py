@@ -15,7 +15,6 @@ import math
 import os
 import pickle
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,7 +25,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from helpers import LEAN, run
+from helpers import LEAN, RawClient, run
 
 import pytest_elastic_timer as et
 from pytest_elastic_timer.core import wire
@@ -95,15 +94,6 @@ def in_threads(count: int, target: Any, *args: Any) -> list[Any]:
     for thread in threads:
         thread.join(30)
     return results
-
-
-def raw(dog: Watchdog, op: str, **fields: Any) -> tuple[str, dict[str, Any]]:
-    """A hand-made request on a connection of its own, and its answer."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
-        sock.settimeout(5)
-        sock.connect(dog.address)
-        sock.send(wire.encode(op, **fields))
-        return wire.decode(sock.recv(wire.MAX_MESSAGE))
 
 
 def test_barrier_passes_round_after_round_with_arrival_indices(dog: Watchdog) -> None:
@@ -379,7 +369,10 @@ def test_bad_requests_are_answered_and_counted(
     dog: Watchdog, op: str, fields: dict[str, Any], error: str
 ) -> None:
     before = dog.dropped
-    answer, reply = raw(dog, op, **fields)
+    with RawClient(dog.address) as raw:
+        answer = raw.ask(wire.encode(op, **fields), timeout=5)
+    assert answer is not None
+    answer, reply = answer
     assert answer == protocol.ERROR and error in reply["error"]
     assert dog.dropped == before + 1
     assert et.barrier("still-serving", 1, 1) == 0
@@ -457,20 +450,21 @@ def stepped() -> Iterator[tuple[Assembly, ManualClock]]:
 
 
 class Call:
-    """One hand-made call on a connection of its own, as the client makes it."""
+    """One hand-made call on a connection of its own, as the client makes it, to a
+    watchdog that takes one turn to accept it and one to read it."""
 
     def __init__(self, dog: Watchdog, op: str, **fields: Any) -> None:
-        self.dog = dog
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.sock.connect(dog.address)
+        self.raw = RawClient(dog.address)
+        self.sock = self.raw.sock
         dog.run_once(max_wait=0)  # accepted
-        self.sock.send(wire.encode(op, **fields))
+        self.raw.send(wire.encode(op, **fields))
         dog.run_once(max_wait=0)  # read
 
     def answer(self) -> tuple[str, dict[str, Any]] | None:
         """The answer, if the watchdog gave one."""
+        self.sock.settimeout(0)
         try:
-            return wire.decode(self.sock.recv(wire.MAX_MESSAGE, socket.MSG_DONTWAIT))
+            return wire.decode(self.sock.recv(wire.MAX_MESSAGE))
         except BlockingIOError:
             return None
 

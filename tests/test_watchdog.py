@@ -18,7 +18,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,7 +27,7 @@ from dataclasses import dataclass
 
 import psutil
 import pytest
-from helpers import ENV_DUMP_SIGNAL, pump, write_slot
+from helpers import ENV_DUMP_SIGNAL, RawClient, pump, write_slot
 
 from pytest_elastic_timer.core import records, wire
 from pytest_elastic_timer.core import table as tbl
@@ -79,8 +78,7 @@ class Client:
     def __init__(self, step: Stepper) -> None:
         self.step = step
         dog = step.dog
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.sock.connect(dog.address)
+        self.sock = RawClient(dog.address).sock
         self.sock.settimeout(0)
         self.path = os.path.join(dog.directory, f"table-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self.table = tbl.ScopeTable.create(self.path)
@@ -242,16 +240,11 @@ def test_a_process_outside_the_session_is_refused() -> None:
     try:
         root = proctree.ProcessId.of(stranger.pid)
         assert root is not None
-        with (
-            serving(root, grace=GRACE) as dog,
-            socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock,
-        ):
-            sock.connect(dog.address)
+        with serving(root, grace=GRACE) as dog, RawClient(dog.address) as raw:
             dog.run_once(max_wait=0)
             assert dog.dropped == 1
             assert dog.connections.peers == {}
-            sock.settimeout(2)
-            assert sock.recv(100) == b""  # closed by the watchdog
+            assert raw.closed_by_peer()
     finally:
         stranger.kill()
         stranger.wait()
