@@ -7,7 +7,6 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import pytest
 
@@ -32,7 +31,7 @@ class SessionState:
     session_scope: TimerRequest | None = None
     session: pytest.Session | None = None
     lost_watchdog: str = ""  # why and when the watchdog went away mid-session
-    expiry_listener: Any = None
+    expiry_listener: Callable[[], None] | None = None
     # Absolute file of each location path items report, relative to rootdir.
     files: dict[str, str] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
