@@ -959,3 +959,28 @@ def test_a_conftest_implements_the_plugins_hooks(pytester: pytest.Pytester) -> N
     assert "SUMMARY 1 ['test_hooks.py::test_stuck']" in session.lines
     assert session.report is not None
     assert session.report["session"]["from_conftest"] == ["test_stuck::call"]
+
+
+MODULES_CONFTEST = """
+import sys
+
+
+def pytest_unconfigure(config):
+    loaded = sorted(m for m in sys.modules if m.startswith("pytest_elastic_timer.ci."))
+    print("CI MODULES", " ".join(loaded))
+"""
+
+
+def test_a_session_imports_only_the_ci_outputs_it_uses(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("GITHUB_ACTIONS", raising=False)  # this suite's own CI
+    pytester.makeconftest(MODULES_CONFTEST)
+    pytester.makepyfile(test_one="def test_one():\n    pass\n")
+    plain = run(pytester, report=False)
+    plain.result.assert_outcomes(passed=1)
+    assert "CI MODULES pytest_elastic_timer.ci.slow" in plain.lines
+    junit = run(pytester, "--junitxml=junit.xml", report=False)
+    junit.result.assert_outcomes(passed=1)
+    ci = "pytest_elastic_timer.ci"
+    assert f"CI MODULES {ci}.junit {ci}.junit_fallback {ci}.slow" in junit.lines
