@@ -244,7 +244,8 @@ def assert_in_budget(session: Session, record: dict[str, Any], budget: float) ->
 def failure_block(session: Session, name: str) -> str:
     """The text of test ``name``'s failure (or error) entry, up to the next entry."""
     lines = session.stdout.splitlines()
-    head = re.compile(rf"^_+ (ERROR at \w+ of )?{re.escape(name)} _+$")
+    # xdist's loadgroup may add "@group" to the name (depending on the pytest version).
+    head = re.compile(rf"^_+ (ERROR at \w+ of )?{re.escape(name)}(@\w+)? _+$")
     start = next((i for i, line in enumerate(lines) if head.match(line)), None)
     assert start is not None, f"no failure entry for {name!r} in:\n{session.stdout}"
     end = start + 1

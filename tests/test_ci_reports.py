@@ -754,3 +754,37 @@ def test_fallback_file_is_valid_xml_with_awkward_text(tmp_path: Path) -> None:
     assert "<&>#x00#x1B[31m" in (cases["tests.test_a::test_b"].findtext("failure") or "")
     suite = ET.parse(path).getroot().find("testsuite")
     assert suite is not None and suite.get("time") == "2.500"
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+RED_TIMEOUT = "\x1b[31mTIMEOUT\x1b[0m"
+
+
+@pytest.mark.parametrize("dist", ["one process", "xdist"])
+def test_an_expired_test_reads_timeout_in_red_on_every_line(
+    pytester: pytest.Pytester, dist: str
+) -> None:
+    # The status word is the same plain, red TIMEOUT in the verbose line and the short
+    # summary with every supported pytest (8.0 to 8.2 printed a (word, markup) pair as a
+    # tuple in the short summary).
+    pytester.makepyfile(
+        test_x="""
+        import time
+        import pytest
+
+        @pytest.mark.expires(0.3)
+        def test_x():
+            time.sleep(30)
+        """
+    )
+    args = ("-v", "--color=yes", "-rA", *(XDIST if dist == "xdist" else LEAN))
+    session = run(pytester, *args, lean=False)
+    session.result.assert_outcomes(failed=1)
+    assert "('TIMEOUT'" not in session.stdout
+    lines = [line for line in session.stdout.splitlines() if RED_TIMEOUT in line]
+    plain = [ANSI.sub("", line) for line in lines]
+    # The verbose line, then the short summary's.
+    assert len(plain) == 2, session.stdout
+    # In one process "test_x.py::test_x TIMEOUT", under xdist "[gw0] [100%] TIMEOUT test_x...".
+    assert re.search(r"test_x\.py::test_x TIMEOUT\b|\] TIMEOUT test_x\.py::test_x\b", plain[0])
+    assert plain[1].startswith("TIMEOUT test_x.py::test_x - scope 'test_x::call'"), plain
