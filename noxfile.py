@@ -27,13 +27,19 @@ else:  # pragma: no cover - nox itself runs on any supported Python
 
 ROOT = Path(__file__).parent
 PYTHONS = ["3.10", "3.11", "3.12", "3.13"]
-# What the plugin touches of pytest (hooks, reports, terminal output, pytester) and of
-# xdist (workers, the controller's reports), plus one suite of processes that meet
-# without torch (ranks at a barrier across processes).
+# What the plugin touches of pytest (hooks, reports, status words, terminal output,
+# pytester) and of xdist (workers, every scheduler, a worker ended or stopped), and one
+# suite of processes that meet without torch (ranks at a barrier). About a minute on two
+# cores; the longest xdist tests (C loops in session teardowns, re-queued units) run in
+# the whole suite only.
 SUBSET = [
     "tests/test_scopes.py",
     "tests/test_plugin.py",
-    "tests/test_xdist.py",
+    "tests/test_ci_reports.py::test_an_expired_test_reads_timeout_in_red_on_every_line",
+    "tests/test_xdist.py::test_c_loop_in_a_worker_fails_by_its_scope",
+    "tests/test_xdist.py::test_soft_interrupt_in_a_worker_just_fails_the_test",
+    "tests/test_xdist.py::test_expired_test_counted_once_under_each_dist_mode",
+    "tests/test_xdist.py::test_session_fixture_teardown_sleep_is_bounded",
     "tests/test_sync.py::test_barrier_across_ranks",
 ]
 # The packages whose declared minimum is tested: the lower bound of each in pyproject.
