@@ -7,6 +7,7 @@ reads them, so the format and the analysis are tested together.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import struct
@@ -610,3 +611,42 @@ def test_every_recorded_op_is_a_trace_event(ranks: Any) -> None:
         ("broadcast #2", "started", True),
     ]
     assert {e["label"] for e in events} == {"rank 0"}
+
+
+def test_the_rings_as_they_stood_at_the_deadline(ranks: Any) -> None:
+    """A record is made after the ladder (the ranks may be gone by then): the rings are
+    read as they stood at the deadline, later ops left out, later ends undone."""
+    zero, one = ranks(2)
+    zero.op("all_reduce")  # 11.0 - 11.5
+    one.op("all_reduce")
+    zero.op("all_reduce")  # starts 12.0, ends 12.5
+    one.op("broadcast")  # starts 12.0, never matched: rank 0 moved on before it
+    before = col.as_of(zero.ring(), 12.2)
+    assert [(e.seq, e.started, e.end) for e in before.current()[1:]] == [
+        (1, False, 11.5),
+        (2, True, 0.0),
+    ]
+    assert [e.seq for e in col.as_of(zero.ring(), 11.2).current()[1:]] == [1]
+    found = col.collective_for(str(zero.ring().path.rsplit("/", 1)[0]), [10_000], 12.2)
+    assert found is not None and (found["seq"], found["mismatch"]) == (2, "op")
+    assert found["ranks"]["0"]["since"] == pytest.approx(0.2)
+
+
+def test_the_watchdog_names_ranks_and_adds_the_collective_to_a_record(ranks: Any) -> None:
+    from pytest_elastic_timer.core import records
+    from pytest_elastic_timer.watchdog.collectives import CollectivesAmender
+
+    zero, _ = ranks(2)
+    zero.op("all_reduce", done=False)
+    directory = zero.ring().path.rsplit("/", 1)[0]
+    record = records.ExpiryRecord(
+        "t.py::t", "t::call", 2.0, 2.1, 4242, "", "", "t.py", 1, "interrupted", "",
+        children=[{"pid": 10_000, "label": "rank 7"}, {"pid": 10_001, "label": ""}, {"pid": 5}],
+        deadline=NOW,
+    )  # fmt: skip
+    CollectivesAmender(directory)(record)
+    assert [c.get("label") for c in record.children] == ["rank 0", "rank 1", None]
+    assert record.collective is not None and record.collective["missing"] == [1]
+    elsewhere = dataclasses.replace(record, host="node-2", collective=None)
+    CollectivesAmender(directory)(elsewhere)
+    assert elsewhere.collective is None  # another host's rings are not here

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -42,6 +43,7 @@ TORCH_BUDGET = 400
 RANKS = '''
 """Ranks of the inner tests: torch only, never pytest_elastic_timer."""
 import os
+import re
 import sys
 import time
 
@@ -116,6 +118,7 @@ def passing(rank, port, out):
 
 TESTS = '''
 import os
+import re
 import socket
 import time
 
@@ -291,6 +294,65 @@ def test_the_sessions_outcomes(spawned: tuple[Path, Session]) -> None:
 
 
 @pytest.mark.expires(TORCH_BUDGET)
+def test_a_rank_that_never_reaches_all_reduce_is_named_missing(
+    spawned: tuple[Path, Session],
+) -> None:
+    directory, session = spawned
+    record = record_of(session, "test_missing")
+    collective = record["collective"]
+    assert {k: collective[k] for k in ("group", "seq", "op", "waiting", "missing", "mismatch")} == {
+        "group": "default",
+        "seq": 3,
+        "op": "all_reduce",
+        "waiting": [0],
+        "missing": [1],
+        "mismatch": None,
+    }
+    ranks_py = str(directory / "ranks.py")
+    zero, one = collective["ranks"]["0"], collective["ranks"]["1"]
+    assert zero["site"] == f"{ranks_py}:{line_of(directory, '# all_reduce #3')}"
+    assert (zero["state"], zero["shapes"]) == ("started", [[4]])
+    assert 2.0 <= zero["since"] < 60, zero
+    assert (one["op"], one["seq"], one["state"]) == ("broadcast", 2, "completed")
+    # The children are labelled by their ranks without a RANK variable or set_label.
+    labels = {
+        c["label"]
+        for c in record["children"]
+        if c["pid"] in rank_pids(directory, "test_missing").values()
+    }
+    assert labels == {"rank 0", "rank 1"}, record["children"]
+    # One plain line, in the terminal summary and in the test's failure.
+    sleep = line_of(directory, "time.sleep(3600)")
+    pattern = (
+        r"collective all_reduce #3 \(group default, 2 ranks\): rank 0 waiting \d+\.\ds at "
+        rf"ranks\.py:{line_of(directory, '# all_reduce #3')}; rank 1 missing, last completed "
+        rf"broadcast #2, now in missing at ranks\.py:{sleep}"
+    )
+    found = [s for s in session.stdout.splitlines() if re.search(pattern, s)]
+    assert len(found) >= 1, session.stdout
+    block = failure_block(session, "test_missing")
+    stacks = sections(block, "elastic-timer: stack of rank 1, pid")
+    assert len(stacks) == 1 and f"line {sleep} in missing" in stacks[0], block
+
+
+@pytest.mark.expires(TORCH_BUDGET)
+def test_ranks_in_different_ops_at_one_sequence_number_are_an_op_mismatch(
+    spawned: tuple[Path, Session],
+) -> None:
+    _, session = spawned
+    collective = record_of(session, "test_desync")["collective"]
+    assert (collective["seq"], collective["waiting"], collective["missing"]) == (2, [0, 1], [])
+    assert collective["mismatch"] == "op"
+    ops = {r: collective["ranks"][str(r)]["op"] for r in (0, 1)}
+    assert ops == {0: "all_reduce", 1: "broadcast"}
+    assert collective["op"] in ops.values()
+    assert any(
+        s.strip().startswith("collective ") and "op mismatch at this sequence number" in s
+        for s in session.stdout.splitlines()
+    ), session.stdout
+
+
+@pytest.mark.expires(TORCH_BUDGET)
 def test_a_shape_mismatch_that_kills_a_rank_shows_what_each_rank_was_in(
     spawned: tuple[Path, Session],
 ) -> None:
@@ -369,3 +431,59 @@ def test_no_rank_outlives_its_test(spawned: tuple[Path, Session]) -> None:
     pids = sorted(int(p.read_text()) for p in (directory / "pids").glob("*.pid"))
     assert len(pids) == 10, pids  # five tests of two ranks
     assert all(wait_gone(pid, 5.0) for pid in pids)
+
+
+# -- torch's own harness: ranks named rank N without being told ----------------------
+MULTI_PROCESS_TEST_CASE = """
+import time
+
+import torch
+import torch.distributed as dist
+from torch.testing._internal.common_distributed import MultiProcessTestCase
+
+
+class StuckRanks(MultiProcessTestCase):
+    @property
+    def world_size(self):
+        return 2
+
+    def setUp(self):
+        super().setUp()
+        self._spawn_processes()
+
+    def test_allreduce(self):
+        dist.init_process_group(
+            "gloo", init_method=f"file://{self.file_name}", rank=self.rank, world_size=2
+        )
+        dist.all_reduce(torch.ones(2, 2))
+        if self.rank == 1:
+            time.sleep(3600)  # never joins the second all_reduce
+        dist.all_reduce(torch.ones(2, 2))
+"""
+
+
+@pytest.mark.expires(TORCH_BUDGET)
+def test_multi_process_test_case_ranks_are_labelled_without_being_told(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("expecttest", reason="torch's MultiProcessTestCase needs expecttest")
+    (tmp_path / "test_mptc.py").write_text(MULTI_PROCESS_TEST_CASE, encoding="utf-8")
+    session = run_inner(tmp_path, "--expires=20", "--elastic-timer-grace=1", "-rA")
+    assert "INTERNALERROR" not in session.text
+    session.result.assert_outcomes(failed=1)
+    assert session.report is not None
+    (record,) = session.report["expired"]
+    ranks = {int(p) for p in re.findall(r"Started process \d with pid (\d+)", session.stdout)}
+    assert {c["label"] for c in record["children"] if c["pid"] in ranks} == {"rank 0", "rank 1"}
+    collective = record["collective"]
+    assert (collective["op"], collective["seq"], collective["waiting"], collective["missing"]) == (
+        "all_reduce",
+        2,
+        [0],
+        [1],
+    )
+    assert collective["ranks"]["0"]["shapes"] == [[2, 2]]
+    block = failure_block(session, "StuckRanks.test_allreduce")
+    for rank in (0, 1):
+        assert len(sections(block, f"elastic-timer: stack of rank {rank}, pid")) == 1, block
+    assert all(wait_gone(pid, 5.0) for pid in ranks)

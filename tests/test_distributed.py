@@ -317,10 +317,15 @@ def test_multi_process_test_case_bounded_by_expires(pytester: pytest.Pytester) -
     assert 20 <= record["elapsed"] < 20 + 3, record
 
     # The stacks of both stuck ranks, taken before the harness tore them down.
-    ranks = [int(p) for p in re.findall(r"Started process \d with pid (\d+)", session.stdout)]
+    started = re.findall(r"Started process (\d) with pid (\d+)", session.stdout)
+    ranks = [int(pid) for _, pid in started]
     assert len(set(ranks)) == 2, session.stdout
     block = failure_block(session, "StuckRanks.test_allreduce")
-    stacks = {pid: sections(block, f"elastic-timer: stack of pid {pid} at expiry") for pid in ranks}
+    # Named by their ranks (init_process_group), though the harness sets no RANK.
+    stacks = {
+        int(pid): sections(block, f"elastic-timer: stack of rank {rank}, pid {pid} at expiry")
+        for rank, pid in started
+    }
     assert all(len(found) == 1 for found in stacks.values()), (stacks, block)
     texts = [found[0] for found in stacks.values()]
     in_all_reduce = [t for t in texts if re.search(r"line \d+ in all_reduce\b", t)]

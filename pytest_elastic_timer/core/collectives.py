@@ -39,7 +39,7 @@ import struct
 import time
 import uuid
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 MAGIC = 0x3130_4C4F_4354_4550  # b"PETCOL01" read as a little-endian u64
@@ -642,15 +642,28 @@ def newest_per_pid(rings: Iterable[Ring]) -> list[Ring]:
     return list(chosen.values())
 
 
-def collective_for(directory: str, pids: Iterable[int], now: float) -> dict[str, Any] | None:
-    """The ``collective`` field for an expiry whose owner and descendants are ``pids``:
-    their rings, with every ring of the same world (the rank that owns a scope is not
-    the parent of the other ranks, and a rank that died is nobody's child), aligned."""
+def as_of(ring: Ring, moment: float) -> Ring:
+    """``ring`` as it stood at ``moment`` (same clock as its times): later ops left
+    out, ops that ended later still in progress."""
+    entries = [
+        e if e.started or (e.end and e.end <= moment) else replace(e, state=STARTED, end=0.0)
+        for e in ring.entries
+        if e.start <= moment
+    ]
+    return replace(ring, entries=entries)
+
+
+def collective_for(directory: str, pids: Iterable[int], moment: float) -> dict[str, Any] | None:
+    """The ``collective`` field for an expiry whose owner and descendants are ``pids``,
+    at ``moment`` (the deadline): their rings, with every ring of the same world (the
+    rank that owns a scope is not the parent of the other ranks, and a rank that died
+    is nobody's child), as they stood then, aligned. The rings outlive their processes,
+    so this may run after the escalation ended them."""
     seeds = [r for r in newest_per_pid(read_rings(ring_paths(directory, pids))) if r.rank >= 0]
     if not seeds:
         return None
     others = read_rings(ring_paths(directory)) if any(r.world_id for r in seeds) else []
-    return align(world_of(seeds, others), now)
+    return align([as_of(r, moment) for r in world_of(seeds, others)], moment)
 
 
 def labels(directory: str, pids: Iterable[int]) -> dict[int, str]:

@@ -420,6 +420,9 @@ def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             ring.complete(serial)
         return result
 
+    # Stacks and tracebacks name this frame after the op it records, not "op".
+    code: CodeType = op.__code__  # type: ignore[attr-defined]
+    op.__code__ = code.replace(co_name=name)  # type: ignore[attr-defined]
     setattr(op, _MARK, True)
     return op
 

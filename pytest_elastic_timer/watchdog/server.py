@@ -34,6 +34,7 @@ from pytest_elastic_timer.core import table as tbl
 from pytest_elastic_timer.core import wire
 from pytest_elastic_timer.core.records import ExpiryRecord
 from pytest_elastic_timer.watchdog import proctree
+from pytest_elastic_timer.watchdog.collectives import CollectivesAmender
 from pytest_elastic_timer.watchdog.connections import Connections
 from pytest_elastic_timer.watchdog.dumps import Dumper
 from pytest_elastic_timer.watchdog.host import OwnerFacts
@@ -88,6 +89,8 @@ class Watchdog:
         self.loop = Loop(clock)
         self.owners = Owners(directory, root, dump_signal)
         self.recorder = Recorder(os.path.join(directory, RECORDS_NAME), clock)
+        # What the ranks concerned were doing in torch.distributed, from their rings.
+        self.recorder.amenders.append(CollectivesAmender(directory))
         self.ladder = Ladder(
             clock=clock,
             dumper=Dumper(directory, dump_signal, clock),

@@ -1,0 +1,39 @@
+"""What the ranks were doing: the records of expired scopes amended from the rings.
+
+Every process of the session that uses torch.distributed keeps a ring of its recent
+ops in the session directory (``core/collectives.py``). Before a record is kept and
+written, :class:`CollectivesAmender` reads the rings of the record's owner and of its
+children, and of the other ranks of their world, as they stood at the deadline, and
+adds the ``collective`` field; a child that called ``init_process_group`` gets its
+``rank N`` label from its ring, whether or not ``RANK`` was in its environment.
+The rings outlive their processes, so this works after the ladder ended them, and for
+the record of a rank that was killed.
+"""
+
+from __future__ import annotations
+
+from pytest_elastic_timer.core import collectives
+from pytest_elastic_timer.core.records import ExpiryRecord
+
+
+class CollectivesAmender:
+    """A :class:`~pytest_elastic_timer.watchdog.recorder.Recorder` amender for the
+    session ``directory``."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def __call__(self, record: ExpiryRecord) -> None:
+        if record.host:
+            return  # another host's processes: their rings are on that host
+        pids = [record.pid, *(int(c["pid"]) for c in record.children if "pid" in c)]
+        labels = collectives.labels(self.directory, pids)
+        for child in record.children:
+            label = labels.get(int(child.get("pid", 0)))
+            if label:  # the rank's own word beats RANK in its environment
+                child["label"] = label
+        if not record.label and labels.get(record.pid):
+            record.label = labels[record.pid]
+        found = collectives.collective_for(self.directory, pids, record.deadline)
+        if found is not None:
+            record.collective = found
