@@ -354,6 +354,68 @@ def test_plain_child_stack_in_failure_sections(pytester: pytest.Pytester) -> Non
     assert wait_gone(helper, 5.0)
 
 
+HARNESS_KILLS_AT_ONCE = '''
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+import pytest_elastic_timer as et
+
+RANK = """
+import os, time
+
+def wait_for_peers():
+    time.sleep(3600)
+
+open(f"ready-{os.getpid()}", "w").close()
+wait_for_peers()
+"""
+
+
+@pytest.mark.parametrize("round", range(3))
+def test_ranks(round):
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK]) for _ in range(3)]
+    with open(f"ranks-{round}.pid", "w") as f:
+        f.write(" ".join(str(rank.pid) for rank in ranks))
+    try:
+        while not all(os.path.exists(f"ready-{rank.pid}") for rank in ranks):
+            time.sleep(0.01)  # started, with their dump handlers
+        with et.expires(0.5, scope="collective"):
+            ranks[0].wait()
+    finally:  # as a harness does: the moment the test fails, its ranks are gone
+        for rank in ranks:
+            rank.kill()
+        for rank in ranks:
+            rank.wait()
+'''
+
+
+def test_ranks_killed_by_their_harness_at_the_interrupt_keep_their_stacks(
+    pytester: pytest.Pytester,
+) -> None:
+    """The owner is interrupted without waiting for its children's dumps to be complete,
+    and the harness kills them the moment it is: their stacks are still reported."""
+    pytester.makepyfile(test_harness=HARNESS_KILLS_AT_ONCE)
+    session = run(pytester, "-rA")
+    session.assert_clean()
+    session.result.assert_outcomes(failed=3)
+    assert session.report is not None
+    for round in range(3):
+        test = f"test_ranks[{round}]"
+        ranks = [int(p) for p in (pytester.path / f"ranks-{round}.pid").read_text().split()]
+        record = record_of(session, f"test_harness.py::{test}")
+        stacks = {c["pid"]: c.get("stack", "") for c in record["children"]}
+        block = failure_block(session, test)
+        for pid in ranks:
+            assert re.search(r"line \d+ in wait_for_peers", stacks.get(pid, "")), record
+            (text,) = sections(block, f"elastic-timer: stack of pid {pid} at expiry")
+            assert re.search(r"line \d+ in wait_for_peers", text), text
+            assert wait_gone(pid, 5.0)
+
+
 def test_nested_session_child_stack_in_failure_sections(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:

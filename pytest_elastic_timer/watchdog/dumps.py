@@ -7,6 +7,12 @@ writes the stacks from the signal handler without the GIL, so a dump works while
 call holds it. The watchdog sends the signal and reads what was appended to the
 process's dump file once it has stopped growing (0.3 s at most).
 
+The processes below an expired scope's owner are asked for their dumps first; the owner
+is interrupted as soon as every one of them has begun writing (waiting a few
+milliseconds at most), and their files are read afterwards. A harness tears its ranks
+down as soon as the owner fails, but the owner must first take its interrupt and
+unwind, while a dump that has begun is written out from the signal handler at once.
+
 The waits are steps of the escalation ladder: each function here is a generator that
 yields the delay until it looks at the file again, and returns the text.
 """
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Generator
+from dataclasses import dataclass, field
 from typing import Any
 
 from pytest_elastic_timer.core import startup
@@ -25,6 +32,8 @@ from pytest_elastic_timer.watchdog.owners import Owner
 
 DUMP_FRAMES = 25  # innermost frames kept per thread of a faulthandler dump
 PATIENCE = 0.3  # the longest wait for a dump file to stop growing
+BEGUN_WITHIN = 0.005  # the longest wait, before an interrupt, for asked dumps to begin
+BEGUN_POLL = 0.001  # how often the dump files are looked at meanwhile (select()'s unit)
 
 
 class Dumper:
@@ -59,12 +68,12 @@ class Dumper:
                 break
         return read_from(owner.dump_path, offset)
 
-    def descendants(self, owner: Owner) -> Generator[float, None, list[dict[str, Any]]]:
-        """The processes below ``owner``, each with its stack where it has the
-        session's dump handler."""
+    def ask_descendants(self, owner: Owner) -> AskedDumps:
+        """Send the session's dump signal to every process below ``owner`` that has its
+        handler, without waiting: the text is read later (:meth:`AskedDumps.children`)."""
         signum = self.dump_signal
         me = os.getpid()
-        found: list[tuple[dict[str, Any], str, int]] = []
+        asked = AskedDumps(self.clock() + PATIENCE)
         for proc in proctree.descendants(owner.proc):
             if proc.pid == me:
                 continue  # pytest's child, but the watchdog is nobody's evidence
@@ -74,23 +83,71 @@ class Dumper:
             if signum and startup.catches(proc.pid, signum):
                 offset = _size(path)
                 proctree.send([proc], signum)
-                found.append((info, path, offset))
+                asked.dumps.append(ChildDump(info, path, offset))
             else:
-                found.append((info, "", 0))
-        waiting = [(path, offset) for _, path, offset in found if path]
-        sizes: dict[str, int] = {}
-        give_up = self.clock() + PATIENCE
-        while waiting and self.clock() < give_up:
+                asked.dumps.append(ChildDump(info, "", 0))
+        return asked
+
+    def begun(self, asked: AskedDumps) -> Generator[float, None, None]:
+        """Wait until every asked dump has begun (``BEGUN_WITHIN`` at most)."""
+        give_up = self.clock() + BEGUN_WITHIN
+        while not asked.begun() and self.clock() < give_up:
+            yield BEGUN_POLL
+
+    def finished(self, asked: AskedDumps) -> Generator[float, None, None]:
+        """Wait until the asked dump files have stopped growing (until ``PATIENCE``
+        after they were asked for, at most)."""
+        sizes: list[int] = []
+        while asked.waiting() and self.clock() < asked.give_up:
             yield 0.01
-            now_sizes = {path: _size(path) for path, _ in waiting}
-            grown = all(now_sizes[p] > offset for p, offset in waiting)
-            if grown and now_sizes == sizes:
-                break
+            now_sizes = asked.sizes()
+            if asked.begun() and now_sizes == sizes:
+                return
             sizes = now_sizes
+
+
+@dataclass
+class ChildDump:
+    """One process below an owner, and where its dump goes ("" path: none asked)."""
+
+    info: dict[str, Any]  # proctree.describe() and its label
+    path: str
+    offset: int  # the dump file's size before the signal
+
+
+@dataclass
+class AskedDumps:
+    """The dumps asked of the processes below an owner at its scope's expiry.
+
+    faulthandler writes a dump from its C signal handler, all of it at once, so reading
+    the files after the owner was interrupted still finds the stacks the processes had
+    at expiry, also of a process that a harness killed meanwhile.
+    """
+
+    give_up: float  # when a dump that has not ended is read as it is
+    dumps: list[ChildDump] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.dumps)
+
+    def waiting(self) -> list[ChildDump]:
+        """The dumps asked for (processes with the session's dump handler)."""
+        return [d for d in self.dumps if d.path]
+
+    def sizes(self) -> list[int]:
+        return [_size(d.path) for d in self.waiting()]
+
+    def begun(self) -> bool:
+        """Whether every asked process has started writing its dump."""
+        return all(_size(d.path) > d.offset for d in self.waiting())
+
+    def children(self) -> list[dict[str, Any]]:
+        """Each process with the stack written so far (where one was asked for)."""
         out = []
-        for info, path, offset in found:
-            if path:
-                info["stack"] = read_from(path, offset)
+        for dump in self.dumps:
+            info = dict(dump.info)
+            if dump.path:
+                info["stack"] = read_from(dump.path, dump.offset)
             out.append(info)
         return out
 

@@ -1,8 +1,9 @@
 """The escalation ladder, for one expired scope:
 
 1. interrupt -- the owner's interrupt signal raises ``ScopeExpired`` in the owning thread
-   (after the stacks of everything below the owner were taken: once it is interrupted,
-   harnesses tear their ranks down and the evidence is gone);
+   (once every process below the owner has begun dumping its stacks: once the owner is
+   interrupted, harnesses tear their ranks down and the evidence is gone; the dumps are
+   read afterwards);
 2. dump      -- after the grace period, faulthandler dumps every thread of the owner;
 3. terminate -- SIGTERM (and SIGCONT) to the owner's process tree, children first,
    SIGKILL to what survives ``kill_after``;
@@ -62,11 +63,17 @@ class Ladder:
         """The ladder of ``expiry``; without ``interrupt`` the owner was not signalled
         (it raised by itself and said so)."""
         table = owner.table
+        asked = None
         if interrupt:
-            expiry.children = yield from self.dumper.descendants(owner)
+            asked = self.dumper.ask_descendants(owner)
+            if asked:
+                expiry.read_children = asked.children
+                yield from self.dumper.begun(asked)
         signum = int(table.words[tbl.H_INTERRUPT_SIG])
         if interrupt and signum:
             proctree.send([owner.proc], signum)
+        if asked:
+            yield from self.dumper.finished(asked)
         # Without an interrupt to give the owner, there is nothing to wait for.
         grace_end = expiry.deadline + (expiry.grace if signum else 0.0)
         while True:
@@ -137,6 +144,8 @@ class Ladder:
             forget(owner, expiry)
         else:
             expiry.recorded = True
+        if expiry.read_children is not None:
+            expiry.children = expiry.read_children()
         return self.recorder.expired(owner, expiry, action, stack, ended)
 
 

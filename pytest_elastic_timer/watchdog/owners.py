@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
-from collections.abc import Generator, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +45,8 @@ class Expiry:
     thread_id: int
     report: dict[str, Any] | None = None  # what the owner said when it raised
     children: list[dict[str, Any]] = field(default_factory=list)  # their stacks at expiry
+    # reads the stacks the processes below the owner were asked for (their dump files)
+    read_children: Callable[[], list[dict[str, Any]]] | None = None
     recorded: bool = False  # a preliminary record was written
     steps: Generator[float, None, None] | None = None  # the ladder, step by step
 
