@@ -8,11 +8,14 @@ as the recorder left it (recorded), and through the function it wraps (plain). T
 batches alternate, so drift of the machine hits both alike; each configuration's
 result is the median over batches of the time per op.
 
-gloo's all-reduce over loopback takes tens of microseconds and moves with the other
-rank's scheduling, so the difference of the two loops is noisy. The recorder's own cost
-is therefore measured a second way, without communication: the recorder's wrapper
+The recorder's own cost is measured without communication: the recorder's wrapper
 around a function that does nothing (same signature, same tensor), against that
-function called directly, in the same rank with its group initialised.
+function called directly, in the same rank with its group initialised. A third loop,
+padded, calls the plain function after a Python busy loop calibrated to last as long
+as that cost: on a loaded machine with two cores, a rank that comes back to the next
+all-reduce a few microseconds later can find the other rank's gloo thread asleep, and
+the loop's time per op grows by far more than those microseconds. The padded loop shows
+how much of the recorded loop's difference is that, and not the recorder.
 
 Needs torch; without it the benchmark reports that it was skipped.
 """
@@ -57,6 +60,23 @@ def nothing(tensor, op=None, group=None, async_op=False):
     return None
 
 
+def spin(rounds):
+    total = 0
+    for i in range(rounds):
+        total += i
+    return total
+
+
+def calibrate(seconds):
+    # Rounds of spin() that last this many seconds.
+    rounds = 1000
+    start = time.perf_counter()
+    for _ in range(200):
+        spin(rounds)
+    each = (time.perf_counter() - start) / 200 / rounds
+    return max(1, round(seconds / each))
+
+
 def rank_main(rank, port):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     recorded = dist.all_reduce
@@ -64,15 +84,27 @@ def rank_main(rank, port):
     plain = recorded.__wrapped__
     wrapped_nothing = collectives.wrap("all_reduce", nothing)
     tensor = torch.ones(16)
-    times = {"plain": [], "recorded": [], "nothing": [], "wrapped_nothing": []}
-    for fn in (plain, recorded):  # warm up both
+    times = {"plain": [], "recorded": [], "padded": [], "nothing": [], "wrapped_nothing": []}
+    costs = sorted(per_op(wrapped_nothing, tensor) - per_op(nothing, tensor) for _ in range(9))
+    rounds = calibrate(costs[4] / 1e6)  # the same on both ranks: rank 0's
+    box = [rounds]
+    dist.broadcast_object_list(box, 0)
+    rounds = box[0]
+
+    def padded(t):
+        spin(rounds)
+        return plain(t)
+
+    calls = {"plain": plain, "recorded": recorded, "padded": padded}
+    for fn in calls.values():  # warm up
         per_op(fn, tensor)
     for index in range(BATCHES):
-        # Which configuration goes first alternates too: the first batch after the
-        # other rank's turn of the scheduler is not the same as the second.
-        order = ("plain", "recorded") if index % 2 else ("recorded", "plain")
+        # Which configuration goes first turns too: the first batch after the other
+        # rank's turn of the scheduler is not the same as the second.
+        names = list(calls)
+        order = names[index % 3 :] + names[: index % 3]
         for name in order:
-            times[name].append(per_op(plain if name == "plain" else recorded, tensor))
+            times[name].append(per_op(calls[name], tensor))
         times["nothing"].append(per_op(nothing, tensor))
         times["wrapped_nothing"].append(per_op(wrapped_nothing, tensor))
     dist.barrier()
@@ -128,6 +160,7 @@ def measure(quick: bool) -> dict[str, Any]:
     for name, values in times.items():
         result[f"{name}_us"] = common.median(values)
     result["all_reduce_cost_us"] = result["recorded_us"] - result["plain_us"]
+    result["padded_cost_us"] = result["padded_us"] - result["plain_us"]
     result["recorder_cost_us"] = result["wrapped_nothing_us"] - result["nothing_us"]
     return result
 
@@ -137,14 +170,17 @@ def render(result: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
         reason = result.get("skipped") or f"error: {result.get('error', '')[:300]}"
         return f"Not measured: {reason}", []
     lines = [
-        "| Per op, 2 gloo ranks, float32[16] | plain µs | recorded µs | recorder µs |",
+        "| Per op, 2 gloo ranks, float32[16] | plain µs | recorded µs | difference µs |",
         "| --- | ---: | ---: | ---: |",
-        f"| `all_reduce` (median of {result['batches']} batches of {result['batch']}) "
-        f"| {result['plain_us']:.2f} | {result['recorded_us']:.2f} "
-        f"| {result['all_reduce_cost_us']:+.2f} |",
         f"| a function that does nothing, with `all_reduce`'s signature "
         f"| {result['nothing_us']:.2f} | {result['wrapped_nothing_us']:.2f} "
         f"| {result['recorder_cost_us']:+.2f} |",
+        f"| `all_reduce` (median of {result['batches']} batches of {result['batch']}) "
+        f"| {result['plain_us']:.1f} | {result['recorded_us']:.1f} "
+        f"| {result['all_reduce_cost_us']:+.1f} |",
+        f"| `all_reduce` after as long a Python busy loop, no recorder (padded) "
+        f"| {result['plain_us']:.1f} | {result['padded_us']:.1f} "
+        f"| {result['padded_cost_us']:+.1f} |",
     ]
     cost = result.get("recorder_cost_us")
     checks = [

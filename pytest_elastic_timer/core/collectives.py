@@ -571,11 +571,14 @@ def _ranks_text(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-def collective_line(collective: Mapping[str, Any], stacks: Mapping[int, str] | None = None) -> str:
+def collective_line(
+    collective: Mapping[str, Any], stacks: Mapping[int, str] | None = None, *, ended: bool = False
+) -> str:
     """One plain line naming the op and the missing ranks, e.g. ``collective all_reduce
     #3 (group default, 2 ranks): rank 0 waiting 10.0s at train.py:40; rank 1 missing,
     last completed broadcast #2, now in main at train.py:52``. ``stacks``: a rank's
-    stack dump, for where a rank that is in no op is."""
+    stack dump, for where a rank that is in no op is; ``ended``: the ranks are gone,
+    so they were in the op rather than waiting in it."""
     stacks = stacks or {}
     ranks: Mapping[str, Mapping[str, Any]] = collective.get("ranks") or {}
     parts: list[str] = []
@@ -587,10 +590,11 @@ def collective_line(collective: Mapping[str, Any], stacks: Mapping[int, str] | N
         op = f" in {view.get('op')}" if mismatch == "op" else ""
         site = str(view.get("site", ""))
         where = f" at {_short(site)}" if site else ""
-        key = (f"{float(view.get('since', 0.0)):.1f}", op, where)
-        by_place.setdefault(key, []).append(rank)
+        since = "" if ended else f" {float(view.get('since', 0.0)):.1f}s"
+        by_place.setdefault((since, op, where), []).append(rank)
     for (since, op, where), found in by_place.items():
-        parts.append(f"{_ranks_text(sorted(found))} waiting {since}s{op}{where}")
+        verb = "were in it" if ended else "waiting"
+        parts.append(f"{_ranks_text(sorted(found))} {verb}{since}{op}{where}")
     for rank in collective.get("missing", []):
         view = ranks.get(str(rank), {})
         state = view.get("state", "none")
@@ -722,7 +726,8 @@ def ranks_text(rings: list[Ring], now: float) -> str:
         lines.append(text)
     collective = align(rings, now)
     if collective is not None:
-        lines.append(collective_line(collective))
+        alive = any(process_alive(r.pid, r.starttime) for r in rings)
+        lines.append(collective_line(collective, ended=not alive))
     return "\n".join(lines)
 
 
