@@ -276,3 +276,117 @@ def test_sitecustomize_chains_without_undoing_the_shadowed_one(
     pytester.makepyfile(test_chain=CHAIN_SUITE)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:asyncio")
     result.assert_outcomes(passed=1)
+
+
+# Counting stand-ins for the names a test may patch, installed for the whole session
+# (from the conftest, before any test): each call made with a frame of the package on
+# the stack is written to $PATCHED_CALLS, then the real function runs.
+PATCHING_CONFTEST = """
+import os
+import subprocess
+import sys
+import time
+
+PACKAGE = os.sep + "pytest_elastic_timer" + os.sep
+
+
+def _from_the_package():
+    frame = sys._getframe(2)
+    while frame is not None:
+        if PACKAGE in frame.f_code.co_filename:
+            return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    return None
+
+
+def _counting(name, real):
+    def stand_in(*args, **kwargs):
+        where = _from_the_package()
+        if where is not None:
+            with open(os.environ["PATCHED_CALLS"], "a", encoding="utf-8") as f:
+                f.write(f"{os.getpid()} {name} from {where}\\\\n")
+        return real(*args, **kwargs)
+
+    return stand_in
+
+
+time.sleep = _counting("time.sleep", time.sleep)
+time.time = _counting("time.time", time.time)
+time.monotonic = _counting("time.monotonic", time.monotonic)
+os.kill = _counting("os.kill", os.kill)
+for _name in ("run", "call", "check_call", "check_output"):
+    setattr(subprocess, _name, _counting(f"subprocess.{_name}", getattr(subprocess, _name)))
+
+
+class _CountingPopen(subprocess.Popen):
+    def __init__(self, *args, **kwargs):
+        _counting("subprocess.Popen", lambda: None)()
+        super().__init__(*args, **kwargs)
+
+
+subprocess.Popen = _CountingPopen
+"""
+
+PATCHED_SUITE = '''
+import subprocess
+import sys
+
+import pytest
+import pytest_elastic_timer as et
+
+INNER = """
+import subprocess
+import sys
+
+import pytest_elastic_timer as et
+
+
+def test_inner_leaves_a_process():
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    with et.expires(30, scope="inner"):
+        pass
+"""
+
+
+def test_scopes_and_an_expiry():
+    with et.expires(30, scope="outer"):
+        with et.expires(20, scope="inner"):
+            pass
+    with pytest.raises(et.ScopeExpired):
+        with et.expires(0.05, scope="short"):
+            while True:
+                pass
+
+
+def test_leaves_a_process_the_plugin_ends():
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+def test_nested_session(pytester):
+    pytester.makepyfile(test_inner=INNER)
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:asyncio")
+    result.assert_outcomes(passed=1, warnings=1)
+
+
+def test_after():
+    pass
+'''
+
+
+@pytest.mark.parametrize("workers", [[], ["-p", "xdist", "-n", "2"]], ids=["one", "xdist"])
+def test_nothing_goes_through_names_a_test_may_patch(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, workers: list[str]
+) -> None:
+    """time.sleep, time.time, time.monotonic, os.kill and subprocess's functions,
+    replaced for a whole session (scopes, an expiry, a leftover process the plugin ends,
+    a nested session that starts and stops its own watchdog, xdist), are never called
+    by the plugin in a test's process."""
+    calls = pytester.path / "calls.txt"
+    monkeypatch.setenv("PATCHED_CALLS", str(calls))
+    pytester.makeconftest(PATCHING_CONFTEST)
+    pytester.makepyfile(test_patched=PATCHED_SUITE)
+    result = pytester.runpytest_subprocess(
+        "-p", "pytester", "-p", "no:cacheprovider", "-p", "no:asyncio", *workers
+    )
+    result.assert_outcomes(passed=4, warnings=1)
+    assert not calls.exists(), calls.read_text(encoding="utf-8")

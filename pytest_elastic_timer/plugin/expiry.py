@@ -11,14 +11,13 @@ failures arrive at any time).
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Generator
 from typing import Any
 
 import pytest
 from _pytest._code.code import ExceptionChainRepr, ReprEntryNative, ReprExceptionInfo
 
-from pytest_elastic_timer.core import collectives, records
+from pytest_elastic_timer.core import collectives, records, unpatched
 from pytest_elastic_timer.core.records import ExpiryRecord
 from pytest_elastic_timer.plugin.state import (
     SESSION,
@@ -206,7 +205,7 @@ def _add_collective_sections(item: pytest.Item, report: pytest.TestReport) -> No
         report.sections.append(
             (
                 "elastic-timer: collectives of the test's ranks",
-                collectives.ranks_text(found, time.monotonic()),
+                collectives.ranks_text(found, unpatched.monotonic()),
             )
         )
 

@@ -2,22 +2,34 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
 import selectors
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from typing import Any
 
+from pytest_elastic_timer.core import unpatched
 from pytest_elastic_timer.scope import client
 
 STOP_TIMEOUT = 15.0
+
+# A session may start and stop inside a test (pytester) that replaced time's, os's or
+# subprocess's functions with mocks; Popen.wait(timeout) and Popen.kill() would go
+# through time.sleep, time.monotonic and os.kill.
+_Popen = unpatched.Popen
+_PIPE = unpatched.PIPE
+_now = unpatched.now
+_kill = unpatched.kill
+_select = unpatched.select
+_pidfd_open = getattr(os, "pidfd_open", None)
 
 
 class WatchdogError(RuntimeError):
@@ -45,7 +57,7 @@ def sweep_stale(root: str | None, older_than: float = 60.0) -> list[str]:
             st = os.lstat(directory)
         except OSError:
             continue
-        if st.st_uid != os.getuid() or time.time() - st.st_mtime < older_than:
+        if st.st_uid != os.getuid() or _now() - st.st_mtime < older_than:
             continue
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as probe:
             try:
@@ -87,15 +99,44 @@ class WatchdogHandle:
                 self.proc.stdin.close()
             except (OSError, ValueError):
                 pass
-        try:
-            code = self.proc.wait(STOP_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait()
+        if not _wait_exit(self.proc, STOP_TIMEOUT):
+            _end(self.proc)
+        code = self.proc.wait()  # it has ended: a blocking waitpid reaps it at once
         if self.proc.stdout is not None:
             self.proc.stdout.close()
         shutil.rmtree(self.directory, ignore_errors=True)
         return code
+
+
+def _wait_exit(proc: subprocess.Popen[bytes], timeout: float) -> bool:
+    """Whether ``proc`` ended within ``timeout`` seconds, waited for in one poll of a
+    pidfd (or of its stdout pipe, which reaches end-of-file when it exits): no clock,
+    no sleep loop."""
+    pidfd = -1
+    if _pidfd_open is not None:
+        try:
+            pidfd = _pidfd_open(proc.pid)
+        except OSError:
+            pidfd = -1
+    try:
+        if pidfd >= 0:
+            return bool(_select([pidfd], [], [], timeout)[0])
+        if proc.stdout is None:
+            return proc.poll() is not None
+        fd = proc.stdout.fileno()
+        while _select([fd], [], [], timeout)[0]:
+            if not os.read(fd, 4096):
+                return True  # end-of-file: the watchdog has closed it on exit
+        return False
+    finally:
+        if pidfd >= 0:
+            os.close(pidfd)
+
+
+def _end(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            _kill(proc.pid, signal.SIGKILL)
 
 
 def start(
@@ -144,16 +185,14 @@ def start(
         argv += ["--junit-xml", os.path.abspath(junit_xml)]
     if trace:
         argv.append("--trace")
-    proc = subprocess.Popen(
-        argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, close_fds=True
-    )
+    proc = _Popen(argv, stdin=_PIPE, stdout=_PIPE, env=env, close_fds=True)
     assert proc.stdout is not None
     with selectors.DefaultSelector() as sel:
         sel.register(proc.stdout, selectors.EVENT_READ)
         ready = sel.select(timeout)
     line = proc.stdout.readline().decode(errors="replace").split() if ready else []
     if len(line) != 3 or line[0] != "ready":
-        proc.kill()
+        _end(proc)
         proc.wait()
         shutil.rmtree(directory, ignore_errors=True)
         raise WatchdogError(f"the watchdog did not start (it said {line!r})")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
+import functools
 import os
 import threading
 from collections.abc import Callable
@@ -29,9 +29,11 @@ _PR_SET_CHILD_SUBREAPER = 36
 _PR_GET_CHILD_SUBREAPER = 37
 
 
+@functools.cache
 def _prctl() -> Any:
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    return libc.prctl
+    # The process's own symbols include libc's: ctypes.util.find_library would run
+    # ldconfig in a subprocess.
+    return ctypes.CDLL(None, use_errno=True).prctl
 
 
 def become_subreaper() -> bool:

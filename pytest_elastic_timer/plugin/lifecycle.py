@@ -5,13 +5,12 @@ that keeps child processes in the session, the session's own budget
 from __future__ import annotations
 
 import os
-import time
 import warnings
 from typing import Any
 
 import pytest
 
-from pytest_elastic_timer.core import records, startup
+from pytest_elastic_timer.core import records, startup, unpatched
 from pytest_elastic_timer.plugin import launcher
 from pytest_elastic_timer.plugin.hookspecs import SessionFacts
 from pytest_elastic_timer.plugin.state import SESSION, SessionState, is_worker, uses_xdist
@@ -185,7 +184,7 @@ def report_without_watchdog(
     session = {
         **session_facts(config, state),
         "started": state.started,
-        "ended": time.time(),
+        "ended": unpatched.now(),
         "workers": [],
         "root_died": False,
         "watchdog_lost": lost,

@@ -9,12 +9,12 @@ which also ends the test. The wrappers that give setup and teardown budgets of t
 
 from __future__ import annotations
 
-import time
 import warnings
 from collections.abc import Generator
 
 import pytest
 
+from pytest_elastic_timer.core import unpatched
 from pytest_elastic_timer.plugin import leaks
 from pytest_elastic_timer.plugin.budgets import Budgets
 from pytest_elastic_timer.plugin.expiry import watch_failures
@@ -22,6 +22,10 @@ from pytest_elastic_timer.plugin.lifecycle import watchdog_lost
 from pytest_elastic_timer.plugin.state import SESSION, SessionState
 from pytest_elastic_timer.scope import scopes
 from pytest_elastic_timer.scope.scopes import TimerRequest
+
+# A test may replace time's functions with mocks, and what the plugin does inside that
+# test (or inside a session that test runs) must not call them.
+_monotonic = unpatched.monotonic
 
 
 class RunningTest:
@@ -94,7 +98,7 @@ class RunningTest:
         stack = self.stack
         if self.when and stack.prefix != self.outer_prefix:
             self.process.traced(stack.prefix, self.started, stack.tid, False)
-        self.started = time.monotonic()
+        self.started = _monotonic()
 
     def _check_leaks(self, before: bytes, after: bytes) -> None:
         state = self.state
@@ -174,7 +178,7 @@ def begin(item: pytest.Item, *, named: bool = True) -> None:
     process = running.process
     if (
         process.sock is not None
-        and time.monotonic() - process.alive_checked >= 1.0
+        and _monotonic() - process.alive_checked >= 1.0
         and not process.watchdog_alive()
     ):
         watchdog_lost(item)

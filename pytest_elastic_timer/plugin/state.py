@@ -4,13 +4,12 @@ derived from it that several parts of the plugin read."""
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
 
-from pytest_elastic_timer.core import records
+from pytest_elastic_timer.core import records, unpatched
 from pytest_elastic_timer.plugin import launcher
 from pytest_elastic_timer.plugin.budgets import BudgetBook
 from pytest_elastic_timer.plugin.options import Settings
@@ -34,7 +33,7 @@ class SessionState:
     expiry_listener: Callable[[], None] | None = None
     # Absolute file of each location path items report, relative to rootdir.
     files: dict[str, str] = field(default_factory=dict)
-    started: float = field(default_factory=time.time)
+    started: float = field(default_factory=unpatched.now)
     exitstatus: int | None = None
     # What leaves the process as the session found it (a pytest run inside a test).
     put_back_scopes: Callable[[], None] = field(default=lambda: None)

@@ -15,14 +15,13 @@ reported once.
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 import pytest
 from _pytest._code.code import ReprFileLocation, TerminalRepr
 from _pytest._io import TerminalWriter
 
-from pytest_elastic_timer.core import records
+from pytest_elastic_timer.core import records, unpatched
 from pytest_elastic_timer.plugin.state import SESSION, is_worker, records_beside
 from pytest_elastic_timer.scope import client, scopes
 
@@ -30,6 +29,10 @@ ADDRESS_KEY = "elastic_timer_address"
 BUDGETS_KEY = "elastic_timer_budgets"  # a worker's marked tests' budgets, in its output
 SCOPE_PROPERTY = "elastic_timer_scope"
 HARD_ACTIONS = ("terminated", "killed")
+# A test may replace time's functions with mocks, and what the plugin does inside that
+# test (or inside a session that test runs) must not call them.
+_sleep = unpatched.sleep
+_monotonic = unpatched.monotonic
 
 
 class ExpiryRepr(TerminalRepr):
@@ -60,7 +63,7 @@ def wait_for_record(
 ) -> records.ExpiryRecord | None:
     """The watchdog's record of ``nodeid`` ending on ``worker``; waits while the
     watchdog is still escalating against that worker."""
-    give_up = time.monotonic() + patience
+    give_up = _monotonic() + patience
     while True:
         answer = scopes.process_state().request("sync")
         found = [r for r in records.read_records(records_path) if r.worker == worker]
@@ -74,9 +77,9 @@ def wait_for_record(
                 return record
         pending = answer.get("pending", [])
         busy = any(p.get("worker") == worker for p in pending if isinstance(p, dict))
-        if not busy or time.monotonic() > give_up:
+        if not busy or _monotonic() > give_up:
             return None
-        time.sleep(0.02)
+        _sleep(0.02)
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -21,14 +21,13 @@ import signal
 import socket
 import sys
 import threading
-import time
 import uuid
 from collections import deque
 from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any
 
-from pytest_elastic_timer.core import startup, wire
+from pytest_elastic_timer.core import startup, unpatched, wire
 from pytest_elastic_timer.core import table as tbl
 from pytest_elastic_timer.scope import collectives
 
@@ -42,6 +41,11 @@ SignalHandler = Callable[[int, FrameType | None], Any]
 # interrupted).
 SiteEntry = tuple[Any, str, str | None, int, str, int, bool]
 CO_ASYNC = inspect.CO_COROUTINE | inspect.CO_ITERABLE_COROUTINE | inspect.CO_ASYNC_GENERATOR
+
+# A test may replace these with mocks, and what this package does in that test's
+# process must not call them.
+_monotonic = unpatched.monotonic
+_kill = unpatched.kill
 
 
 def label_from_env() -> str:
@@ -334,7 +338,7 @@ class ProcessState:
     def traced(self, path: str, start: float, thread_id: int, expired: bool) -> None:
         trace = self.trace
         assert trace is not None
-        end = time.monotonic()
+        end = _monotonic()
         trace.append((path, start, end, thread_id, self.nodeid, expired))
         # Flush in batches, and soon after activity, so a process that ends with
         # os._exit (forked ranks, xdist workers) loses little.
@@ -347,7 +351,7 @@ class ProcessState:
         if not trace:
             return
         self.trace = []
-        self.trace_flushed = time.monotonic()
+        self.trace_flushed = _monotonic()
         head = {
             "pid": self.pid,
             "label": self.label,
@@ -399,7 +403,7 @@ class ProcessState:
         sock = self.sock
         if sock is None:
             return False
-        now = time.monotonic()
+        now = _monotonic()
         if now - self.alive_checked < every:
             return True
         self.alive_checked = now  # also read by the plugin, to call this less often
@@ -462,12 +466,10 @@ class Sentinel:
         self.wake()
 
     def _run(self) -> None:
-        import time
-
         floats = self.table.floats
         while not self.stopped:
             with self.cond:
-                now = time.monotonic()
+                now = _monotonic()
                 floats[tbl.H_ARMED] = 0.0
                 earliest, due = self.table.due_slots(now)
                 for slot in due:
@@ -480,7 +482,7 @@ class Sentinel:
 
     def _interrupt(self) -> None:
         if self.state.interrupt_sig:
-            os.kill(os.getpid(), self.state.interrupt_sig)
+            _kill(os.getpid(), self.state.interrupt_sig)
 
 
 def scale_from_env() -> float:

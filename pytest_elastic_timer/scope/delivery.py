@@ -28,6 +28,7 @@ from types import CodeType, FrameType
 from typing import Any
 
 from pytest_elastic_timer.core import table as tbl
+from pytest_elastic_timer.core import unpatched
 from pytest_elastic_timer.scope import client
 
 STACK_FRAMES = 25  # innermost frames kept in a reported stack
@@ -225,7 +226,8 @@ def in_critical_section(frame: FrameType | None) -> bool:
 
 def retry_soon(state: client.ProcessState) -> None:
     """Send this process its interrupt signal again in a moment."""
-    timer = threading.Timer(0.002, os.kill, (os.getpid(), state.interrupt_sig))
+    # unpatched.kill: a test may have replaced os.kill with a mock.
+    timer = threading.Timer(0.002, unpatched.kill, (os.getpid(), state.interrupt_sig))
     timer.daemon = True
     timer.start()
 

@@ -19,14 +19,13 @@ import os
 import socket
 import sys
 import threading
-import time
 import traceback
 import warnings
 from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import Any
 
-from pytest_elastic_timer.core import wire
+from pytest_elastic_timer.core import unpatched, wire
 from pytest_elastic_timer.core.seconds import check_seconds
 from pytest_elastic_timer.scope import client, scopes
 from pytest_elastic_timer.scope.scopes import ScopeExpired
@@ -343,7 +342,7 @@ def _wait(
     (answer op, answer, the caller's fields)."""
     kind, _, name = scope.partition(":")
     call = _Call(what)
-    start = time.monotonic()
+    start = unpatched.monotonic()
     try:
         who = _caller(frame, label)
         op, answer = call.ask(
@@ -527,7 +526,7 @@ class SessionLock:
             raise RuntimeError(f"lock {self.name!r} is already held by this object")
         scope = f"lock:{self.name}"
         call = _Call(f"lock {self.name!r}")
-        start = time.monotonic()
+        start = unpatched.monotonic()
         try:
             who = _caller(frame, self.label)
             op, answer = call.ask(

@@ -8,10 +8,17 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from dataclasses import dataclass
 
 import psutil
+
+# The leftover-process check runs this in a test's process, where a test may have
+# replaced os.kill, time.sleep or time.monotonic with a mock (psutil's own send_signal
+# calls os.kill by name); this module is imported late, so the references come from
+# core.unpatched, bound when the package was imported.
+from pytest_elastic_timer.core.unpatched import kill as _kill
+from pytest_elastic_timer.core.unpatched import monotonic as _monotonic
+from pytest_elastic_timer.core.unpatched import sleep as _sleep
 
 
 @dataclass(frozen=True)
@@ -152,7 +159,9 @@ def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
 
 def _signal(proc: psutil.Process, signum: int) -> None:
     try:
-        proc.send_signal(signum)  # psutil refuses a pid that was reused meanwhile
+        # is_running() compares the start time: a pid reused meanwhile is not signalled.
+        if proc.is_running():
+            _kill(proc.pid, signum)
     except (psutil.NoSuchProcess, psutil.AccessDenied, OSError, ValueError, OverflowError):
         # Gone, not ours, or not a signal: a signal number read from a process's own
         # table can be anything, and must never end the watchdog.
@@ -172,9 +181,9 @@ def end_all(procs: list[psutil.Process], kill_after: float) -> list[psutil.Proce
 
 def wait_gone(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
     """Wait up to ``timeout`` for ``procs`` to end; returns those still running."""
-    deadline = time.monotonic() + timeout
+    deadline = _monotonic() + timeout
     running = alive(procs)
-    while running and time.monotonic() < deadline:
-        time.sleep(0.02)
+    while running and _monotonic() < deadline:
+        _sleep(0.02)
         running = alive(running)
     return running
