@@ -8,8 +8,10 @@ sitecustomize chains to the one it shadows without undoing it.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import time
 
 import pytest
 
@@ -364,7 +366,9 @@ def test_leaves_a_process_the_plugin_ends():
 
 def test_nested_session(pytester):
     pytester.makepyfile(test_inner=INNER)
-    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:asyncio")
+    result = pytester.runpytest_inprocess(
+        "-p", "no:cacheprovider", "-p", "no:asyncio", "--elastic-timer-leaks=kill"
+    )
     result.assert_outcomes(passed=1, warnings=1)
 
 
@@ -386,7 +390,71 @@ def test_nothing_goes_through_names_a_test_may_patch(
     pytester.makeconftest(PATCHING_CONFTEST)
     pytester.makepyfile(test_patched=PATCHED_SUITE)
     result = pytester.runpytest_subprocess(
-        "-p", "pytester", "-p", "no:cacheprovider", "-p", "no:asyncio", *workers
+        "-p",
+        "pytester",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:asyncio",
+        "--elastic-timer-leaks=kill",
+        *workers,
     )
     result.assert_outcomes(passed=4, warnings=1)
     assert not calls.exists(), calls.read_text(encoding="utf-8")
+
+
+ABANDONING_SUITE = '''
+import os
+
+INNER = """
+import os
+
+
+def test_ends_pytest_at_once():
+    os._exit(0)
+"""
+
+
+def test_inner_pytest_ends_through_os_exit(pytester):
+    pytester.makepyfile(test_inner=INNER)
+    report = os.environ["INNER_REPORT"]
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-p", "no:asyncio", f"--elastic-timer-report={report}"
+    )
+    assert result.ret == 0
+
+
+def test_after():
+    pass
+'''
+
+
+@pytest.mark.parametrize("mode", ["kill", "warn"])
+def test_the_leak_check_leaves_an_inner_sessions_watchdog_alone(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """An inner pytest (run by a test) that ends through os._exit leaves its watchdog to
+    the test process, which adopted it (subreaper): the leak check knows the plugin's
+    own machinery and neither ends it nor warns; the watchdog ends by itself and writes
+    the inner session's report."""
+    report = pytester.path / "inner-report.json"
+    monkeypatch.setenv("INNER_REPORT", str(report))
+    pytester.makepyfile(test_abandon=ABANDONING_SUITE)
+    result = pytester.runpytest_subprocess(
+        "-p",
+        "pytester",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:asyncio",
+        f"--elastic-timer-leaks={mode}",
+        "-W",
+        "error::pytest.PytestWarning",
+    )
+    result.assert_outcomes(passed=2)
+    assert "left 1 process" not in result.stdout.str()
+    deadline = time.monotonic() + 10.0
+    while not report.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    session = json.loads(report.read_text(encoding="utf-8"))["session"]
+    assert session["root_died"] is True

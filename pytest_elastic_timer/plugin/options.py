@@ -22,7 +22,7 @@ HELP = {
     "trace": "write a Chrome/Perfetto trace of all scopes to this path.",
     "session": "budget in seconds for the whole session, phases outside tests included (0 = none).",
     "leaks": "what to do with processes a test started in its call phase and left running "
-    "after its teardown: kill (default; also warns), warn, or off.",
+    "after its teardown: warn (default), kill (also warns), or off.",
     "slow": "list a test phase as SLOW in the terminal summary once it used this fraction "
     "of its budget (default 0.8; 0 = off).",
 }
@@ -57,7 +57,7 @@ class Settings:
     report: str | None = None
     trace: str | None = None  # absolute
     session: float = 0.0
-    leaks: str = "kill"
+    leaks: str = "warn"
     slow: float = DEFAULT_SLOW
 
 
@@ -117,6 +117,6 @@ def read_settings(config: pytest.Config) -> Settings:
         report=path("elastic_timer_report"),
         trace=os.path.abspath(trace) if (trace := path("elastic_timer_trace")) else None,
         session=seconds("expires_session", 0.0),
-        leaks=choice("elastic_timer_leaks", LEAK_MODES, "kill"),
+        leaks=choice("elastic_timer_leaks", LEAK_MODES, "warn"),
         slow=fraction("elastic_timer_slow", DEFAULT_SLOW),
     )
