@@ -140,6 +140,32 @@ class StandInHost:
             self.holder.stdout.close()
 
 
+SSH = """#!/bin/sh
+# A stand-in for ssh, as execnet calls it: ssh -C [options] HOST COMMAND runs COMMAND
+# with sh on the stand-in host HOST, in a fresh environment (ssh passes none on).
+while [ $# -gt 2 ]; do shift; done
+case "$1" in
+{cases}
+  *) echo "ssh: no stand-in host $1" >&2; exit 255;;
+esac
+exec env -i PATH=/usr/bin:/bin HOME="$HOME" \\
+    nsenter --target "$pid" --pid --mount --uts --wd=/ -- /bin/sh -c "$2"
+"""
+
+
+def fake_ssh(hosts: list[StandInHost], directory: Path) -> Path:
+    """A directory with an ``ssh`` that reaches ``hosts`` by name (put it first on
+    PATH): ``--tx ssh=host-a//python=...`` then runs a worker there over pipes, with
+    nothing of the controller's environment, as a real ssh would."""
+    bin_dir = directory / "ssh-bin"
+    bin_dir.mkdir(exist_ok=True)
+    cases = "\n".join(f"  {h.name}) pid={h.init.pid};;" for h in hosts)
+    ssh = bin_dir / "ssh"
+    ssh.write_text(SSH.format(cases=cases))
+    ssh.chmod(0o755)
+    return bin_dir
+
+
 def require() -> None:
     """Skip the calling test, with the reason, where stand-in hosts cannot be made."""
     why = unavailable()

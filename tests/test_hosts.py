@@ -10,20 +10,24 @@ controller's reports with the host's name.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 import xml.etree.ElementTree as ET
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import execnet
+import psutil
 import pytest
-from helpers import failure_block, run, scope_line
-from standin_hosts import StandInHost
+from helpers import failure_block, lead, run, scope_line
+from standin_hosts import StandInHost, fake_ssh
 
 from pytest_elastic_timer.core import hostid
 
@@ -85,14 +89,10 @@ def ran(pytester: pytest.Pytester, name: str) -> list[list[str]]:
     return [line.split() for line in path.read_text().splitlines()] if path.exists() else []
 
 
-@pytest.mark.xfail(strict=True, reason="issue 20: workers on other hosts are not enforced yet")
 def test_remote_workers_are_enforced_and_reported_by_scope_with_their_host(
-    pytester: pytest.Pytester,
-    stand_in_hosts: Callable[..., list[StandInHost]],
-    request: pytest.FixtureRequest,
+    pytester: pytest.Pytester, stand_in_hosts: Callable[..., list[StandInHost]]
 ) -> None:
     hosts = stand_in_hosts(*HOSTS)
-    request.addfinalizer(lambda: [host.close() for host in hosts])  # until issue 20 is done
     pytester.makepyfile(test_remote=TESTS)
     junit = pytester.path / "junit.xml"
     session = run(
@@ -110,68 +110,86 @@ def test_remote_workers_are_enforced_and_reported_by_scope_with_their_host(
     assert gil["worker"] == ran(pytester, "test_gil")[0][1]
     assert "test_gil" in gil["stack"]
     block = failure_block(session, "test_gil")
-    assert scope_line("test_gil::call", "1", "(?:terminated|killed)").search(block), block
+    line = scope_line("test_gil::call", "1", "(?:terminated|killed)")
+    assert any(line.match(text) for text in block.splitlines()), block
     assert f"host {gil['host']}" in block
 
-    sleep = session.assert_expired("test_sleep", "test_sleep::call", 1.0)
+    assert scope_line("test_sleep::call", "1").match(lead(session, "test_sleep"))
+    sleep = session.record("test_sleep::call")
+    assert sleep["action"] == "interrupted"
     assert sleep["host"] == ran(pytester, "test_sleep")[0][0]
 
     summary = session.stdout.split("elastic-timer: expired scopes", 1)[-1]
     assert f"host {gil['host']}" in summary and f"host {sleep['host']}" in summary
     cases = {c.get("name"): c for c in ET.parse(junit).getroot().iter("testcase")}
-    assert "test_gil::call" in ET.tostring(cases["test_gil"], encoding="unicode")
+    for name, record in (("test_gil", gil), ("test_sleep", sleep)):
+        properties = {p.get("name"): p.get("value") for p in cases[name].iter("property")}
+        assert properties["elastic_timer_scope"] == f"{name}::call"
+        assert properties["elastic_timer_host"] == record["host"]
     assert session.report is not None
     assert all(r["host"] in HOSTS for r in session.report["expired"])
+    assert {gil["worker"], sleep["worker"]} <= set(session.report["session"]["workers"])
 
 
-@pytest.mark.xfail(strict=True, reason="issue 20: workers on other hosts are not enforced yet")
-def test_kill_9_of_the_controller_leaves_nothing_running_on_any_host(
-    pytester: pytest.Pytester,
-    stand_in_hosts: Callable[..., list[StandInHost]],
-    request: pytest.FixtureRequest,
-) -> None:
-    hosts = stand_in_hosts(*HOSTS)
-    request.addfinalizer(lambda: [host.close() for host in hosts])  # until issue 20 is done
-    pytester.makepyfile(
-        test_hang="""
-        import os, socket, pytest
+HANG = """
+import os, socket, pytest
 
-        @pytest.mark.parametrize("n", range(4))
-        def test_hang(n):
-            here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ran")
-            os.makedirs(here, exist_ok=True)
-            open(os.path.join(here, f"{n}-{socket.gethostname()}"), "w").close()
-            sum(range(10**11))
-        """
-    )
+@pytest.mark.parametrize("n", range({count}))
+def test_hang(n):
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ran")
+    os.makedirs(here, exist_ok=True)
+    open(os.path.join(here, f"{{n}}-{{socket.gethostname()}}"), "w").close()
+    sum(range(10**11))
+"""
+
+
+@contextlib.contextmanager
+def controller_killed_while_hung(
+    pytester: pytest.Pytester, hung: int, *args: str
+) -> Iterator[None]:
+    """Start a controller whose workers all hang in C, wait until ``hung`` of them do,
+    run the body, then kill -9 the controller."""
     controller = subprocess.Popen(
-        [sys.executable, "-m", "pytest", *XDIST, "--expires=600", *tx(hosts)],
+        [sys.executable, "-m", "pytest", *XDIST, "--expires=600", *args],
         cwd=pytester.path,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     try:
         give_up = time.monotonic() + 60
-        while len(list((pytester.path / "ran").glob("*"))) < 4:
-            assert time.monotonic() < give_up, "the four workers did not start their tests"
+        while len(list(pytester.path.glob("**/ran/*"))) < hung:
+            assert time.monotonic() < give_up, "the workers did not start their tests"
+            assert controller.poll() is None, "the controller ended"
             time.sleep(0.1)
+        yield
+    finally:
+        os.kill(controller.pid, signal.SIGKILL)
+        controller.wait()
+
+
+def wait_empty(hosts: list[StandInHost], timeout: float = 15.0) -> dict[str, list[str]]:
+    """What still runs on ``hosts`` after waiting up to ``timeout`` for nothing to."""
+    give_up = time.monotonic() + timeout
+    while True:
+        left = {h.name: [" ".join(p.cmdline()) for p in h.processes()] for h in hosts}
+        if not any(left.values()) or time.monotonic() > give_up:
+            return {name: procs for name, procs in left.items() if procs}
+        time.sleep(0.1)
+
+
+def test_kill_9_of_the_controller_leaves_nothing_running_on_any_host(
+    pytester: pytest.Pytester, stand_in_hosts: Callable[..., list[StandInHost]]
+) -> None:
+    hosts = stand_in_hosts(*HOSTS)
+    pytester.makepyfile(test_hang=HANG.format(count=4))
+    with controller_killed_while_hung(pytester, 4, *tx(hosts)):
         # Two workers on each host, one watchdog per host.
         for host in hosts:
             watchdogs = [
                 p for p in host.processes() if "pytest_elastic_timer.watchdog" in p.cmdline()
             ]
             assert len(watchdogs) == 1, (host.name, watchdogs)
-    finally:
-        os.kill(controller.pid, signal.SIGKILL)
-        controller.wait()
-    give_up = time.monotonic() + 15
-    left = {host.name: host.processes() for host in hosts}
-    while any(left.values()) and time.monotonic() < give_up:
-        time.sleep(0.1)
-        left = {host.name: host.processes() for host in hosts}
-    assert not any(left.values()), {
-        name: [" ".join(p.cmdline()) for p in procs] for name, procs in left.items()
-    }
+    assert wait_empty(hosts) == {}
     assert not [d for host in hosts for d in host.session_dirs()]
 
 
@@ -212,3 +230,163 @@ def test_an_identity_that_could_not_be_read_is_another_host() -> None:
     assert not here.same_host(hostid.HostIdentity(here.hostname, "", here.pid_namespace))
     assert hostid.HostIdentity.from_json({"hostname": 1}) is None
     assert hostid.HostIdentity.from_json(here.to_json()) == here
+
+
+# -- processes started by remote workers ----------------------------------------------
+HELPER_TESTS = '''
+import subprocess
+import sys
+
+CHILD = """
+import pytest_elastic_timer as et
+et.set_label("helper")
+with et.expires(after=1, scope="handshake"):
+    sum(range(10**10))   # stuck in C, holding the GIL
+"""
+
+
+def test_helper():
+    proc = subprocess.run([sys.executable, "-c", CHILD])
+    assert proc.returncode == 0, f"helper exited with {proc.returncode}"
+'''
+
+
+def test_a_process_started_by_a_remote_worker_is_ended_by_its_hosts_watchdog(
+    pytester: pytest.Pytester, stand_in_hosts: Callable[..., list[StandInHost]]
+) -> None:
+    hosts = stand_in_hosts("host-a")
+    pytester.makepyfile(test_helper=HELPER_TESTS)
+    session = run(pytester, *XDIST, GRACE, *tx(hosts, 1), lean=False, timeout=60)
+    session.assert_clean()
+    record = session.record("handshake")
+    assert record["action"] in ("terminated", "killed")
+    assert (record["label"], record["host"], record["worker"]) == ("helper", "host-a", "gw0")
+    assert "<string>" in record["stack"]
+    block = failure_block(session, "test_helper")
+    assert "helper exited with -15" in block or "helper exited with -9" in block
+    assert f"expired in helper, pid {record['pid']}, worker gw0, host host-a" in block
+
+
+# -- socket gateways --------------------------------------------------------------------
+SOCKET_SERVER = Path(execnet.__file__).parent / "script" / "socketserver.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def socket_server(host: StandInHost, directory: Path) -> tuple[psutil.Process, str]:
+    """execnet's socket server on ``host``; returns it and a ``--tx`` spec for it."""
+    port = free_port()
+    launcher = subprocess.Popen(
+        [str(host.wrapper), str(SOCKET_SERVER), f"127.0.0.1:{port}"],
+        cwd=directory,
+        stdout=subprocess.DEVNULL,
+    )
+    give_up = time.monotonic() + 30
+    while True:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        assert time.monotonic() < give_up, "the socket server did not start"
+        time.sleep(0.05)
+    (server,) = psutil.Process(launcher.pid).children()
+    return server, f"socket=127.0.0.1:{port}//chdir={directory / 'remote'}"
+
+
+def test_a_socket_gateway_takes_the_same_path(
+    pytester: pytest.Pytester, stand_in_hosts: Callable[..., list[StandInHost]]
+) -> None:
+    (host,) = stand_in_hosts("host-a")
+    project = pytester.mkdir("project")
+    (project / "test_remote.py").write_text(
+        textwrap.dedent(TESTS).replace("sum(range(10**10))", "pass")
+    )
+    server, spec = socket_server(host, pytester.path)
+    try:
+        session = run(
+            pytester,
+            *XDIST,
+            GRACE,
+            "--tx",
+            spec,
+            f"--rsyncdir={project}",
+            "-W",
+            "ignore::DeprecationWarning",
+            str(project / "test_remote.py"),
+            lean=False,
+            timeout=60,
+        )
+        session.assert_clean()
+        record = session.record("test_sleep::call")
+        assert (record["action"], record["host"]) == ("interrupted", "host-a")
+        assert session.result.parseoutcomes().get("passed") == 7
+        # The worker ran in the server's own process, which serves on: it was not
+        # ended as a stray of the session, and the host's watchdog is gone.
+        give_up = time.monotonic() + 5
+        while len(host.processes()) > 1 and time.monotonic() < give_up:
+            time.sleep(0.05)
+        assert [p.pid for p in host.processes()] == [server.pid]
+    finally:
+        with contextlib.suppress(psutil.Error):
+            server.kill()
+
+
+def test_a_socket_gateway_whose_controller_is_killed_is_ended_with_its_worker(
+    pytester: pytest.Pytester, stand_in_hosts: Callable[..., list[StandInHost]]
+) -> None:
+    (host,) = stand_in_hosts("host-a")
+    project = pytester.mkdir("project")
+    (project / "test_hang.py").write_text(textwrap.dedent(HANG.format(count=1)))
+    server, spec = socket_server(host, pytester.path)
+    try:
+        args = ("--tx", spec, f"--rsyncdir={project}", str(project / "test_hang.py"))
+        with controller_killed_while_hung(pytester, 1, *args):
+            pass
+        # The hung worker ran in the server's process: its tree is ended with it.
+        assert wait_empty([host]) == {}
+    finally:
+        with contextlib.suppress(psutil.Error):
+            server.kill()
+
+
+# -- ssh gateways -----------------------------------------------------------------------
+def test_an_ssh_gateway_takes_the_same_path(
+    pytester: pytest.Pytester,
+    stand_in_hosts: Callable[..., list[StandInHost]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    hosts = stand_in_hosts(*HOSTS)
+    monkeypatch.setenv("PATH", f"{fake_ssh(hosts, pytester.path)}{os.pathsep}{os.environ['PATH']}")
+    project = pytester.mkdir("project")
+    (project / "test_remote.py").write_text(textwrap.dedent(TESTS))
+    specs = [
+        arg
+        for host in hosts
+        for arg in (
+            "--tx",
+            f"ssh={host.name}//python={sys.executable}//chdir={pytester.path / host.name}",
+        )
+    ]
+    session = run(
+        pytester,
+        *XDIST,
+        GRACE,
+        *specs,
+        f"--rsyncdir={project}",
+        "-W",
+        "ignore::DeprecationWarning",
+        str(project / "test_remote.py"),
+        lean=False,
+        timeout=90,
+    )
+    session.assert_clean()
+    assert session.result.parseoutcomes().get("passed") == 6, session.stdout
+    gil = session.record("test_gil::call")
+    assert gil["action"] in ("terminated", "killed") and gil["host"] in HOSTS
+    block = failure_block(session, "test_gil")
+    assert f"host {gil['host']}" in block
+    sleep = session.record("test_sleep::call")
+    assert (sleep["action"], sleep["host"] in HOSTS) == ("interrupted", True)

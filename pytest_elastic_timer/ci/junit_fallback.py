@@ -59,6 +59,8 @@ def properties_of(record: ExpiryRecord) -> list[tuple[str, str]]:
         "label": record.label,
         "action": record.action,
     }
+    if record.host:  # another host than the controller's
+        values["host"] = record.host
     return [(PROPERTY_PREFIX + name, value) for name, value in values.items()]
 
 

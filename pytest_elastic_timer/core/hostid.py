@@ -5,7 +5,7 @@ serve both: the same kernel (boot id), the same pid namespace (the watchdog sign
 pid) and the same host name (a machine, or a container of its own, names itself). An
 xdist worker compares its identity with the controller's, which the controller hands
 it in ``workerinput``; a worker on another host starts (or joins) the watchdog of its
-own host (``watchdog/host.py``) instead of the unreachable socket of the controller's.
+own host (``watchdog/remote_host.py``) instead of the unreachable socket of the controller's.
 
 This module imports neither pytest nor psutil: it runs in workers on any host, and in
 the short-lived gateways that fetch a host's records.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import glob
 import json
 import os
@@ -16,7 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-from pytest_elastic_timer.core import unpatched
+from pytest_elastic_timer.core import hostid, hostlink, startup, unpatched, wire
 from pytest_elastic_timer.scope import client
 
 STOP_TIMEOUT = 15.0
@@ -38,10 +39,8 @@ class WatchdogError(RuntimeError):
 
 def _session_root_dir() -> str | None:
     # tmpfs keeps the scope tables in memory; fall back to the usual temp dir.
-    shm = "/dev/shm"
-    if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK):
-        return shm
-    return None
+    root = hostid.session_root()
+    return root if root != tempfile.gettempdir() else None
 
 
 def sweep_stale(root: str | None, older_than: float = 60.0) -> list[str]:
@@ -197,3 +196,125 @@ def start(
         shutil.rmtree(directory, ignore_errors=True)
         raise WatchdogError(f"the watchdog did not start (it said {line!r})")
     return WatchdogHandle(proc, line[2], directory)
+
+
+@dataclass
+class HostWatchdog:
+    """The watchdog of this host, which is not the controller's, joined by this worker."""
+
+    directory: str
+    link: hostlink.Link
+
+    @property
+    def address(self) -> str:
+        return os.path.join(self.directory, "watchdog.sock")
+
+    @property
+    def records_path(self) -> str:
+        return os.path.join(self.directory, "records.jsonl")
+
+    @property
+    def startup(self) -> str:
+        """The session's start-up directory on this host (for PYTHONPATH)."""
+        return os.path.join(self.directory, startup.DIRECTORY)
+
+
+def join_host(
+    token: str,
+    *,
+    grace: float,
+    scale: float,
+    worker: str,
+    gateway_fds: list[int],
+    dump_signal: int = 0,
+    kill_after: float = 1.0,
+    timeout: float = 30.0,
+) -> HostWatchdog:
+    """Join the watchdog of session ``token`` on this host; the first worker of the
+    session here starts it (under a lock, so that the host gets one)."""
+    identity = hostid.current()
+    directory = hostid.host_directory(token, identity)
+    sweep_stale(_session_root_dir())  # left by watchdogs of this host killed earlier
+    try:
+        os.mkdir(directory, 0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(directory)
+    if not os.path.isdir(directory) or os.path.islink(directory) or info.st_uid != os.getuid():
+        raise WatchdogError(f"{directory} is not a directory of this user")
+    lock = os.open(os.path.join(directory, "start.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return HostWatchdog(directory, hostlink.Link(directory, worker, gateway_fds))
+        except (OSError, wire.BadMessage):
+            pass  # nobody started it yet (or it is ending): start one
+        startup.install(directory)
+        _spawn_host_watchdog(
+            directory, identity.hostname, grace, scale, kill_after, dump_signal, timeout
+        )
+        return HostWatchdog(directory, hostlink.Link(directory, worker, gateway_fds))
+    finally:
+        os.close(lock)
+
+
+def _spawn_host_watchdog(
+    directory: str,
+    hostname: str,
+    grace: float,
+    scale: float,
+    kill_after: float,
+    dump_signal: int,
+    timeout: float,
+) -> None:
+    """Start this host's watchdog in a session of its own: it outlives the worker that
+    started it (the watchdog may have to end that very worker), and no Popen object of
+    it is left in the worker to warn about a child still running at exit."""
+    package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ)
+    env.pop(client.ENV_ADDRESS, None)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH", "")) if p)
+    argv = [
+        sys.executable,
+        "-m",
+        "pytest_elastic_timer.watchdog",
+        "--dir",
+        directory,
+        "--root-pid",
+        str(os.getpid()),
+        "--grace",
+        repr(grace),
+        "--kill-after",
+        repr(kill_after),
+        "--scale",
+        repr(scale),
+        "--host-name",
+        hostname,
+        "--session",
+        json.dumps({"host": hostname}),
+    ]
+    if dump_signal:
+        argv += ["--dump-signal", str(dump_signal)]
+    read_end, write_end = os.pipe()
+    try:
+        pid = os.posix_spawn(
+            sys.executable,
+            argv,
+            env,
+            file_actions=[
+                (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+                (os.POSIX_SPAWN_DUP2, write_end, 1),
+            ],
+            setsid=True,
+        )
+    finally:
+        os.close(write_end)
+    try:
+        ready = _select([read_end], [], [], timeout)[0]
+        line = os.read(read_end, 4096).decode(errors="replace").split() if ready else []
+    finally:
+        os.close(read_end)
+    if len(line) != 3 or line[0] != "ready":
+        with contextlib.suppress(OSError):
+            _kill(pid, signal.SIGKILL)
+        raise WatchdogError(f"the watchdog of this host did not start (it said {line!r})")

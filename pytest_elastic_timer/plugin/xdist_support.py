@@ -22,6 +22,7 @@ from _pytest._code.code import ReprFileLocation, TerminalRepr
 from _pytest._io import TerminalWriter
 
 from pytest_elastic_timer.core import records, unpatched
+from pytest_elastic_timer.plugin import remote_hosts
 from pytest_elastic_timer.plugin.state import SESSION, is_worker, records_beside
 from pytest_elastic_timer.scope import client, scopes
 
@@ -56,6 +57,22 @@ def pytest_configure_node(node: Any) -> None:
     address = os.environ.get(client.ENV_ADDRESS)
     if address:
         node.workerinput[ADDRESS_KEY] = address
+    _offer_host_watchdog(node, address)
+
+
+def _offer_host_watchdog(node: Any, address: str | None) -> None:
+    """Tell the worker how to tell whether it runs on another host, and how to start
+    that host's watchdog; records of other hosts come back through the reports."""
+    config: pytest.Config = node.config
+    state = config.stash.get(SESSION, None)
+    if state is None or state.watchdog is None or not address:
+        return
+    settings = state.settings
+    node.workerinput[remote_hosts.HOST_KEY] = remote_hosts.workerinput(
+        address, settings.grace, settings.scale
+    )
+    if not config.pluginmanager.has_plugin(remote_hosts.RemoteRecords.NAME):
+        config.pluginmanager.register(remote_hosts.RemoteRecords(), remote_hosts.RemoteRecords.NAME)
 
 
 def wait_for_record(
@@ -99,9 +116,18 @@ def pytest_handlecrashitem(crashitem: str, report: pytest.TestReport, sched: Any
     state = config.stash.get(SESSION, None)
     if state is None or state.watchdog is None:
         return
-    worker = str(getattr(getattr(report.node, "gateway", None), "id", ""))
+    gateway = getattr(report.node, "gateway", None)
+    worker = str(getattr(gateway, "id", ""))
     patience = state.settings.grace + 5.0
-    record = wait_for_record(config, state.watchdog.records_path, crashitem, worker, patience)
+    records_path = state.watchdog.records_path
+    record = wait_for_record(config, records_path, crashitem, worker, patience)
+    spec = getattr(gateway, "spec", None)
+    if record is None and spec is not None and remote_hosts.maybe_remote(spec):
+        # Ended on another host by the watchdog there: ask it, through a gateway of
+        # its own (the worker's is gone).
+        token = os.path.basename(state.watchdog.directory)
+        remote_hosts.forward(remote_hosts.fetch_from_host(spec, token, worker, patience))
+        record = wait_for_record(config, records_path, crashitem, worker, 0.0)
     if record is None:
         return
     _mark_done(sched, crashitem)
@@ -188,6 +214,12 @@ ENDED = pytest.StashKey[EndedTests]()
 
 def configure_worker(config: pytest.Config) -> None:
     workerinput: dict[str, Any] = getattr(config, "workerinput", {})
+    if remote_hosts.join(config, workerinput.get(remote_hosts.HOST_KEY)):
+        # On another host: its own watchdog serves it, and keeps its records.
+        address = os.environ.get(client.ENV_ADDRESS)
+        if address:
+            config.stash[ENDED] = EndedTests(records_beside(address))
+        return
     address = os.environ.get(client.ENV_ADDRESS) or workerinput.get(ADDRESS_KEY)
     if not address:
         return

@@ -20,9 +20,11 @@ from typing import Any
 
 from pytest_elastic_timer.ci import junit_fallback
 from pytest_elastic_timer.sync.server import SyncServer
-from pytest_elastic_timer.watchdog import proctree
+from pytest_elastic_timer.watchdog import proctree, remote_host
 from pytest_elastic_timer.watchdog.file_timer import FileTimerIntake
+from pytest_elastic_timer.watchdog.forwarded import ForwardedRecords
 from pytest_elastic_timer.watchdog.loop import Clock
+from pytest_elastic_timer.watchdog.remote_host import HostRole
 from pytest_elastic_timer.watchdog.server import Terminated, Watchdog
 
 
@@ -33,10 +35,15 @@ class Assembly:
     dog: Watchdog
     file_timers: FileTimerIntake
     sync: SyncServer
+    # The watchdog of a host other than the controller's has its role there; the
+    # controller's takes in the records of the others.
+    remote: HostRole | None = None
 
     def close(self) -> None:
         """Let go of everything without ending the session (for a watchdog a test
         drove; :meth:`Watchdog.finish` ends a session and closes it all too)."""
+        if self.remote is not None:
+            self.remote.close()
         self.file_timers.close()
         self.dog.close()
 
@@ -47,10 +54,14 @@ def build(
     root: proctree.ProcessId,
     junit_xml: str | None = None,
     clock: Clock = time.monotonic,
+    host_name: str | None = None,
+    linger: float = remote_host.DEFAULT_LINGER,
     **settings: Any,
 ) -> Assembly:
     """A watchdog serving ``directory`` for the session below ``root``, with every
-    intake plugged in; ``settings`` are :class:`Watchdog`'s keyword arguments."""
+    intake plugged in; ``settings`` are :class:`Watchdog`'s keyword arguments. With
+    ``host_name``, the watchdog of that host, which is not the controller's: the
+    workers there join it (``root`` is the one that started it)."""
     dog = Watchdog(directory, root=root, clock=clock, **settings)
     file_timers = FileTimerIntake(dog, directory)
     dog.add_reader(file_timers.read_fd, file_timers.readable)
@@ -61,7 +72,14 @@ def build(
     dog.on_disconnect(sync.disconnected)
     if junit_xml:
         dog.on_finish(lambda: _junit_if_pytest_died(dog, junit_xml))
-    return Assembly(dog, file_timers, sync)
+    remote = None
+    if host_name is not None:
+        remote = remote_host.install(dog, host_name, linger)
+    else:
+        forwarded = ForwardedRecords(dog, root.pid, dog.workers.add)
+        for op, handler in forwarded.handlers().items():
+            dog.handle(op, handler)
+    return Assembly(dog, file_timers, sync, remote)
 
 
 def _junit_if_pytest_died(dog: Watchdog, path: str) -> None:
@@ -92,6 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dump-signal", type=int, default=0)
     parser.add_argument("--junit-xml", default=None, help="fallback JUnit XML if pytest dies")
     parser.add_argument("--trace", action="store_true", help="clients record every scope")
+    parser.add_argument(
+        "--host-name",
+        default=None,
+        help="the watchdog of this host, not the controller's: workers join it, and it "
+        "ends with their gateways (watchdog/remote_host.py); records name this host",
+    )
+    parser.add_argument("--linger", type=float, default=remote_host.DEFAULT_LINGER)
     args = parser.parse_args(argv)
     # Ctrl-C reaches the whole process group; pytest decides how the session ends.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -109,7 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         scale=args.scale,
         report_path=args.report,
         session=json.loads(args.session),
-        control=sys.stdin.buffer,
+        # The controller's watchdog learns of pytest's death from its stdin; a host's
+        # from the gateways of its workers.
+        control=None if args.host_name is not None else sys.stdin.buffer,
+        host_name=args.host_name,
+        linger=args.linger,
         dump_signal=args.dump_signal,
         trace=args.trace,
     ).dog

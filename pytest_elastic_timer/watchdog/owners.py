@@ -96,6 +96,9 @@ class Owners(Mapping[int, Owner]):
     def __init__(self, directory: str, root: proctree.ProcessId, dump_signal: int) -> None:
         self.directory = directory
         self.root = root
+        # Whose descendants belong to the session: pytest; on a host other than the
+        # controller's, every worker that joined (see .remote_host).
+        self.roots = [root]
         self.dump_signal = dump_signal  # every Python process of the session dumps on it
         self.registered: dict[int, Owner] = {}
         self.adopted: dict[int, Owner] = {}
@@ -122,6 +125,22 @@ class Owners(Mapping[int, Owner]):
         return {w for o in self.registered.values() if (w := o.header_text(tbl.H_WORKER_SID))}
 
     # -- registration -------------------------------------------------------------
+    def in_session(self, pid: int) -> bool:
+        """Whether ``pid`` is a root of the session or runs below one."""
+        return any(proctree.is_descendant(pid, root) for root in self.roots)
+
+    def add_root(self, root: proctree.ProcessId) -> None:
+        """Make ``root`` and its descendants processes of the session."""
+        self.roots.append(root)
+
+    def release(self, root: proctree.ProcessId) -> None:
+        """``root`` is done with the session, though its process may serve on: it is
+        no longer one of its roots, nor a registered owner (a stray at the end)."""
+        self.roots = [r for r in self.roots if r != root]
+        owner = self.registered.get(root.pid)
+        if owner is not None and owner.ident == root:
+            del self.registered[root.pid]
+
     def peer(self, conn: socket.socket) -> int | None:
         """The pid of the process at the other end of ``conn``, if it may talk to the
         watchdog: the same user, and a process of this session."""
@@ -130,7 +149,7 @@ class Owners(Mapping[int, Owner]):
         pid, uid, _ = _UCRED.unpack(
             conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
         )
-        if uid != os.getuid() or not proctree.is_descendant(pid, self.root):
+        if uid != os.getuid() or not self.in_session(pid):
             return None
         return int(pid)
 
@@ -173,7 +192,7 @@ class Owners(Mapping[int, Owner]):
         owner = self.adopted.get(pid)
         if owner is not None and proctree.alive([owner.proc]):
             return owner
-        if not proctree.is_descendant(pid, self.root) or pid == os.getpid():
+        if not self.in_session(pid) or pid == os.getpid():
             return None
         ident = proctree.ProcessId.of(pid)
         proc = ident.process() if ident else None

@@ -1,0 +1,108 @@
+"""The link between a host's watchdog and the session's workers and gateways there.
+
+A worker on another host than the controller (``core/hostid.py``) joins the watchdog
+of its host on that watchdog's *join socket* (``join.sock`` beside ``watchdog.sock``):
+
+- ``join`` carries the worker's pid and xdist id, and, as ``SCM_RIGHTS``, the file
+  descriptors of its xdist gateway (the read side of its connection to the controller:
+  a pipe for ``popen`` and ``ssh``, a TCP socket for ``socket``). The watchdog polls them
+  for hang-up only, never reads them; a gateway that hangs up while its worker still
+  runs means that the controller is gone, and the watchdog ends that worker's tree.
+- ``leave`` says the worker ends normally (no replacement is coming for it).
+- ``fetch`` asks for the records of one worker, while the watchdog may still be
+  escalating against it. The controller sends it through a fresh gateway to that host
+  when xdist reports the worker crashed: the crashed worker cannot forward anything.
+
+Each message is one ``SOCK_SEQPACKET`` datagram in the format of ``core/wire.py``. This
+module imports neither pytest nor psutil.
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import socket
+import time
+from typing import Any
+
+from pytest_elastic_timer.core import wire
+
+JOIN_SOCKET = "join.sock"
+MAX_FDS = 4  # gateway descriptors a join may carry
+
+
+def send_with_fds(sock: socket.socket, data: bytes, fds: list[int]) -> None:
+    """Send one datagram with ``fds`` attached (``SCM_RIGHTS``)."""
+    ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+    sock.sendmsg([data], ancillary)
+
+
+def receive_with_fds(sock: socket.socket) -> tuple[bytes, list[int]]:
+    """One datagram and the descriptors attached to it (the caller owns them)."""
+    data, ancillary, _, _ = sock.recvmsg(
+        wire.MAX_MESSAGE + 1, socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+    )
+    fds: list[int] = []
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            usable = len(payload) - len(payload) % array.array("i").itemsize
+            fds.extend(array.array("i", payload[:usable]))
+    return data, fds
+
+
+class Link:
+    """A worker's joined link to its host's watchdog; open for the worker's life."""
+
+    def __init__(self, directory: str, worker: str, gateway_fds: list[int]) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sock.settimeout(10.0)
+        try:
+            self.sock.connect(os.path.join(directory, JOIN_SOCKET))
+            message = wire.encode("join", pid=os.getpid(), worker=worker)
+            send_with_fds(self.sock, message, gateway_fds[:MAX_FDS])
+            op, fields = wire.decode(self.sock.recv(wire.MAX_MESSAGE))
+        except BaseException:
+            self.sock.close()
+            raise
+        if op != "joined":
+            self.sock.close()
+            raise wire.BadMessage(f"the host's watchdog answered {op!r}: {fields}")
+        self.watchdog_pid = int(fields.get("pid", 0))
+
+    def leave(self) -> None:
+        """The worker ends normally (the watchdog waits for its exit before it ends)."""
+        try:
+            self.sock.send(wire.encode("leave"))
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def fetch(directory: str, worker: str, patience: float) -> list[dict[str, Any]]:
+    """The records of ``worker`` that the watchdog in ``directory`` made, once it no
+    longer escalates against it (or ``patience`` seconds passed); [] without one."""
+    give_up = time.monotonic() + patience
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+        sock.settimeout(10.0)
+        try:
+            sock.connect(os.path.join(directory, JOIN_SOCKET))
+        except OSError:
+            return []
+        while True:
+            records: list[dict[str, Any]] = []
+            try:
+                sock.send(wire.encode("fetch", worker=worker))
+                while True:  # the answer comes in datagrams of at most wire.MAX_MESSAGE
+                    _, fields = wire.decode(sock.recv(wire.MAX_MESSAGE))
+                    found = fields.get("records")
+                    if isinstance(found, list):
+                        records.extend(r for r in found if isinstance(r, dict))
+                    if not fields.get("more"):
+                        break
+            except (OSError, wire.BadMessage):
+                return []
+            if not fields.get("pending") or time.monotonic() > give_up:
+                return records
+            time.sleep(0.05)

@@ -1,0 +1,247 @@
+"""xdist workers on other hosts: a watchdog on each host, records back to the controller.
+
+Worker side: a worker whose host identity (``core/hostid.py``) differs from the
+controller's cannot reach the controller's watchdog, and that watchdog could not signal
+it. It joins the watchdog of its own host instead (``launcher.join_host``, which starts
+one if it is the first worker of the session there), hands it the descriptors of its
+xdist gateway, and points the session's environment at it, so that everything it
+starts is enforced there too. The records of that watchdog travel to the controller
+as an attribute of the worker's test reports (xdist serializes a report's attributes)
+and, at the end, in ``workeroutput``.
+
+Controller side: the records arriving that way are handed to the controller's watchdog
+(op ``forward``), which adds them to the session's records, so they land in the
+terminal summary, the JSON report, JUnit and the CI outputs like the records of its
+own host. A worker that its host's watchdog ended cannot forward anything: when xdist
+reports it crashed, the controller fetches the records from that host through a fresh
+gateway of the same spec (``fetch_from_host``); the replacement worker forwards them
+too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Generator
+from typing import Any
+
+import pytest
+
+from pytest_elastic_timer.core import hostid, records, startup, wire
+from pytest_elastic_timer.plugin import launcher
+from pytest_elastic_timer.scope import client, scopes
+from pytest_elastic_timer.watchdog import file_timer
+
+HOST_KEY = "elastic_timer_host"  # workerinput: the controller's identity and settings
+RECORDS_ATTRIBUTE = "elastic_timer_records"  # on reports and in workeroutput
+
+
+# -- controller ----------------------------------------------------------------------
+def workerinput(address: str, grace: float, scale: float) -> dict[str, Any]:
+    """What a worker needs to tell whether it is on another host, and to start the
+    watchdog there like the controller's."""
+    return {
+        "identity": hostid.current().to_json(),
+        "token": os.path.basename(os.path.dirname(address)),
+        "grace": grace,
+        "scale": scale,
+        "dump_signal": startup.session_dump_signal(),
+    }
+
+
+def forward(found: Any) -> None:
+    """Hand records that came from another host to the controller's watchdog."""
+    if not isinstance(found, list):
+        return
+    state = scopes.current_state()
+    if state is None:
+        return
+    for record in found:
+        if isinstance(record, dict) and record.get("host"):
+            state.request("forward", record=_fitting(record))
+
+
+def _fitting(record: dict[str, Any]) -> dict[str, Any]:
+    """``record``, its stacks cut so that it fits in one message to the watchdog."""
+    if len(json.dumps(record)) < wire.MAX_MESSAGE // 2:
+        return record
+    children = [{k: v for k, v in c.items() if k != "stack"} for c in record.get("children", [])]
+    stack = str(record.get("stack", ""))
+    return {**record, "stack": stack[: wire.MAX_MESSAGE // 8], "children": children}
+
+
+class RemoteRecords:
+    """Controller plugin: records of other hosts, from reports and workers' output."""
+
+    NAME = "elastic_timer_remote_records"
+
+    # A wrapper: the records are in before any plugin reads them for this report.
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> Generator[None, None, None]:
+        found = report.__dict__.pop(RECORDS_ATTRIBUTE, None)
+        if found:
+            forward(found)
+        return (yield)
+
+    def pytest_testnodedown(self, node: Any, error: Any) -> None:
+        output = getattr(node, "workeroutput", None)
+        if isinstance(output, dict):
+            forward(output.get(RECORDS_ATTRIBUTE))
+
+
+def _fetch_on_host(channel: object, token: str, worker: str, patience: float) -> None:
+    """Runs on the other host, in a fresh gateway: the records of ``worker``. (execnet
+    sends the source: only builtins may be named outside the body.)"""
+    from pytest_elastic_timer.core import hostid, hostlink
+
+    directory = hostid.host_directory(token, hostid.current())
+    channel.send(hostlink.fetch(directory, worker, patience))  # type: ignore[attr-defined]
+
+
+def fetch_from_host(spec: Any, token: str, worker: str, patience: float) -> list[dict[str, Any]]:
+    """The records of ``worker`` from the watchdog of the host ``spec`` reaches, through
+    a gateway of its own ([] where that is not possible)."""
+    import execnet
+
+    text = "//".join(p for p in str(spec).split("//") if p and not p.startswith("id="))
+    group = execnet.Group()
+    try:
+        gateway = group.makegateway(text)
+        channel = gateway.remote_exec(_fetch_on_host, token=token, worker=worker, patience=patience)
+        found = channel.receive(timeout=patience + 30.0)
+    except Exception:  # a host that cannot be reached again: the report stays xdist's
+        return []
+    finally:
+        with contextlib.suppress(Exception):
+            group.terminate(timeout=5.0)
+    return [r for r in found if isinstance(r, dict)] if isinstance(found, list) else []
+
+
+def maybe_remote(spec: Any) -> bool:
+    """Whether a gateway of ``spec`` may run on another host: anything but a plain
+    ``popen`` (a ``popen//python=`` may run a wrapper that enters another host)."""
+    return not (getattr(spec, "popen", None) and not getattr(spec, "python", None))
+
+
+# -- worker --------------------------------------------------------------------------
+class RemoteWorker:
+    """Worker plugin on another host: forwards its host's records to the controller."""
+
+    NAME = "elastic_timer_remote_worker"
+
+    def __init__(self, config: pytest.Config, host: launcher.HostWatchdog) -> None:
+        self.config = config
+        self.host = host
+        self.size = -1
+        self.sent: dict[tuple[str, int, int], str] = {}
+
+    def new_records(self, *, sync: bool) -> list[dict[str, Any]]:
+        """Records of this host not forwarded by this worker yet: those of workers
+        that were ended here too (the controller keeps one of each)."""
+        if sync:
+            state = scopes.current_state()
+            if state is not None:
+                state.request("sync")
+        try:
+            size = os.stat(self.host.records_path).st_size
+        except OSError:
+            return []
+        if size == self.size:
+            return []
+        self.size = size
+        out = []
+        for record in records.read_records(self.host.records_path):
+            seen = f"{record.action} {record.ended}"
+            if self.sent.get(record.key) != seen:
+                self.sent[record.key] = seen
+                out.append(record.to_json())
+        return out
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(
+        self, item: pytest.Item, call: pytest.CallInfo[None]
+    ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+        report = yield
+        found = self.new_records(sync=report.failed)
+        if found:
+            setattr(report, RECORDS_ATTRIBUTE, found)
+        return report
+
+    # Inside xdist's own wrapper, which sends workeroutput once this one is done.
+    @pytest.hookimpl(wrapper=True, trylast=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> Generator[None, None, None]:
+        try:
+            return (yield)
+        finally:
+            found = self.new_records(sync=True)
+            output = getattr(self.config, "workeroutput", None)
+            if found and isinstance(output, dict):
+                output[RECORDS_ATTRIBUTE] = found
+
+    def pytest_unconfigure(self, config: pytest.Config) -> None:
+        self.host.link.leave()
+        self.host.link.close()
+
+
+def gateway_fds(config: pytest.Config) -> list[int]:
+    """The read side of this worker's connection to the controller (execnet's pipe or
+    socket), for the host's watchdog to watch; [] where it cannot be found."""
+    for plugin in config.pluginmanager.get_plugins():
+        gateway = getattr(getattr(plugin, "channel", None), "gateway", None)
+        io = getattr(gateway, "_io", None)  # execnet keeps its transport here
+        for name in ("infile", "sock"):
+            stream = getattr(io, name, None)
+            try:
+                fd = stream.fileno() if stream is not None else -1
+            except (OSError, ValueError, AttributeError):
+                continue
+            if fd >= 0:
+                return [fd]
+    return []
+
+
+def join(config: pytest.Config, controller: Any) -> bool:
+    """On a host other than the controller's, join (or start) this host's watchdog and
+    make it the session's watchdog of this process and its children. Returns whether
+    this worker is on another host."""
+    if not isinstance(controller, dict):
+        return False
+    home = hostid.HostIdentity.from_json(controller.get("identity"))
+    if home is None or home.same_host(hostid.current()):
+        return False
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    grace = float(controller.get("grace", 2.0))
+    scale = float(controller.get("scale", 1.0))
+    dump_signal = int(controller.get("dump_signal", 0))
+    try:
+        host = launcher.join_host(
+            str(controller.get("token", "")),
+            grace=grace,
+            scale=scale,
+            dump_signal=dump_signal,
+            worker=worker,
+            gateway_fds=gateway_fds(config),
+        )
+    except (launcher.WatchdogError, OSError, ValueError) as exc:
+        config.issue_config_time_warning(
+            pytest.PytestWarning(
+                f"pytest-elastic-timer: no watchdog on this host ({exc}); scopes of "
+                f"worker {worker} are enforced in-process only"
+            ),
+            stacklevel=2,
+        )
+        os.environ.pop(client.ENV_ADDRESS, None)  # the controller's: unreachable here
+        return True
+    python_path = os.pathsep.join(p for p in (host.startup, os.environ.get("PYTHONPATH")) if p)
+    for name, value in (
+        (client.ENV_ADDRESS, host.address),
+        (client.ENV_SCALE, repr(scale)),
+        (startup.ENV_DUMP_SIGNAL, str(dump_signal)),
+        (file_timer.ENV_FILE, os.path.join(host.directory, file_timer.FIFO_NAME)),
+        ("PYTHONPATH", python_path),
+    ):
+        os.environ[name] = value
+    scopes.reattach()
+    config.pluginmanager.register(RemoteWorker(config, host), RemoteWorker.NAME)
+    return True
