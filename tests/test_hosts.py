@@ -171,10 +171,19 @@ def wait_empty(hosts: list[StandInHost], timeout: float = 15.0) -> dict[str, lis
     """What still runs on ``hosts`` after waiting up to ``timeout`` for nothing to."""
     give_up = time.monotonic() + timeout
     while True:
-        left = {h.name: [" ".join(p.cmdline()) for p in h.processes()] for h in hosts}
+        left = {h.name: [_command(p) for p in h.processes()] for h in hosts}
+        left = {name: [c for c in procs if c is not None] for name, procs in left.items()}
         if not any(left.values()) or time.monotonic() > give_up:
             return {name: procs for name, procs in left.items() if procs}
         time.sleep(0.1)
+
+
+def _command(proc: psutil.Process) -> str | None:
+    """The command line of a running ``proc``; None once it ended (or is a zombie)."""
+    try:
+        return " ".join(proc.cmdline())
+    except psutil.Error:
+        return None
 
 
 def test_kill_9_of_the_controller_leaves_nothing_running_on_any_host(
