@@ -14,7 +14,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pytest_elastic_timer.core import collectives
+from pytest_elastic_timer.core import collectives, stacks
 
 REPORT_VERSION = 1
 ACTIONS = ("interrupted", "terminated", "killed")
@@ -152,17 +152,31 @@ def write_json(path: str, report: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def format_record(record: ExpiryRecord, *, with_stack: bool = True) -> str:
-    """A multi-line text block for terminals: summary, where, who, then the stack."""
+def shown_file(file: str, rootdir: str = "") -> str:
+    """``file`` as terminals show it, as pytest shows paths: normalized, and relative
+    to ``rootdir`` when it lies under it."""
+    if not file or file.startswith("<"):  # <string>, <stdin>, ...
+        return file
+    path = os.path.normpath(file)
+    if rootdir and os.path.isabs(path):
+        root = os.path.normpath(rootdir).rstrip(os.sep) + os.sep
+        if path.startswith(root):
+            return path[len(root) :]
+    return path
+
+
+def format_record(
+    record: ExpiryRecord, *, with_stack: bool = True, rootdir: str = "", full_stack: bool = True
+) -> str:
+    """A multi-line text block for terminals: summary, where, who, then the stack.
+    ``rootdir``: files under it are shown relative to it; ``full_stack=False`` leaves
+    out the runner's frames that lead to the test (:func:`stacks.trim_stack`)."""
     lines = [record.line_text()]
     if record.nodeid:
         lines.append(f"  test:    {record.nodeid}")
     if record.file:
-        lines.append(
-            f"  entered: {record.file}:{record.line}"
-            if record.line
-            else f"  entered: {record.file}"
-        )
+        file = shown_file(record.file, rootdir)
+        lines.append(f"  entered: {file}:{record.line}" if record.line else f"  entered: {file}")
     lines.append(f"  process: {record.owner_text()}")
     if record.collective:
         lines.append("  " + collectives.collective_line(record.collective, record.rank_stacks()))
@@ -172,6 +186,7 @@ def format_record(record: ExpiryRecord, *, with_stack: bool = True) -> str:
         names = ", ".join(f"{p.get('pid')} ({p.get('name', '?')})" for p in record.killed)
         lines.append(f"  ended:   {names}")
     if with_stack and record.stack:
+        stack = record.stack if full_stack else stacks.trim_stack(record.stack)
         lines.append("  stack:")
-        lines.extend("    " + s for s in record.stack.rstrip().splitlines())
+        lines.extend("    " + s for s in stack.rstrip().splitlines())
     return "\n".join(lines)

@@ -23,7 +23,9 @@ from pytest_elastic_timer.plugin.state import (
     SESSION,
     expiry_records,
     is_worker,
+    record_text,
     session_directory,
+    stack_text,
 )
 from pytest_elastic_timer.plugin.xdist_support import SCOPE_PROPERTY, ExpiryRepr
 from pytest_elastic_timer.scope.scopes import ScopeExpired
@@ -179,7 +181,10 @@ def _add_process_sections(item: pytest.Item, report: pytest.TestReport) -> None:
             continue
         if record.pid != me:
             report.sections.append(
-                (f"elastic-timer: expired in {record.owner_text()}", records.format_record(record))
+                (
+                    f"elastic-timer: expired in {record.owner_text()}",
+                    record_text(item.config, record),
+                )
             )
         elif record.collective:
             line = collectives.collective_line(record.collective, record.rank_stacks())
@@ -190,7 +195,10 @@ def _add_process_sections(item: pytest.Item, report: pytest.TestReport) -> None:
                     str(x) for x in (child.get("label"), f"pid {child.get('pid')}") if x
                 )
                 report.sections.append(
-                    (f"elastic-timer: stack of {who} at expiry", str(child["stack"]))
+                    (
+                        f"elastic-timer: stack of {who} at expiry",
+                        stack_text(item.config, str(child["stack"])),
+                    )
                 )
 
 

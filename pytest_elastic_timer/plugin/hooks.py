@@ -29,6 +29,7 @@ from pytest_elastic_timer.plugin.state import (
     SessionState,
     expiry_records,
     is_worker,
+    record_text,
     uses_xdist,
 )
 from pytest_elastic_timer.scope import collectives, scopes
@@ -165,10 +166,21 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         terminalreporter.write_line(state.lost_watchdog, red=True)
     found = expiry_records(config)
     if found:
-        terminalreporter.section("elastic-timer: expired scopes", sep="=", red=True)
-        for record in found:
+        # Expiries in tests that passed were caught on purpose (pytest.raises): one
+        # line says how many, unless -v; those of every other test are listed.
+        verbose = config.get_verbosity() >= 1
+        caught = set() if verbose else _in_passed_tests(terminalreporter, found)
+        listed = [r for r in found if r.nodeid not in caught] if caught else found
+        terminalreporter.section("elastic-timer: expired scopes", sep="=", red=bool(listed))
+        for record in listed:
             terminalreporter.write_line(
-                records.format_record(record, with_stack=record.action != "interrupted")
+                record_text(config, record, with_stack=record.action != "interrupted")
+            )
+        if caught:
+            count = len(found) - len(listed)
+            terminalreporter.write_line(
+                f"{count} scope{'s' if count != 1 else ''} expired inside tests that passed "
+                "(caught on purpose); -v lists them"
             )
         _restart_limit_line(terminalreporter, config, found)
     if not is_worker(config):
@@ -178,6 +190,17 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
             records=found,
             session=lifecycle.facts_for_hooks(config, state),
         )
+
+
+def _in_passed_tests(terminalreporter: Any, found: list[records.ExpiryRecord]) -> set[str]:
+    """The node ids of tests that passed (no phase of them failed) among those of
+    ``found``."""
+    stats = terminalreporter.stats
+    passed = {r.nodeid for r in stats.get("passed", ()) if getattr(r, "when", "") == "call"}
+    if passed:
+        for key in ("failed", "error"):
+            passed.difference_update(getattr(r, "nodeid", "") for r in stats.get(key, ()))
+    return passed & {r.nodeid for r in found}
 
 
 def _restart_limit_line(

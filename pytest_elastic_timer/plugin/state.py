@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from pytest_elastic_timer.core import records, unpatched
+from pytest_elastic_timer.core import records, stacks, unpatched
 from pytest_elastic_timer.plugin import launcher
 from pytest_elastic_timer.plugin.budgets import BudgetBook
 from pytest_elastic_timer.plugin.options import Settings
@@ -46,7 +46,10 @@ class SessionState:
         pytest gave an absolute one), cached by path."""
         file = self.files.get(path)
         if file is None:
-            file = self.files[path] = path if path.startswith("/") else f"{self.rootdir}/{path}"
+            # Normalized: a test outside rootdir has a location such as ../x/test_a.py.
+            file = self.files[path] = os.path.normpath(
+                path if path.startswith("/") else f"{self.rootdir}/{path}"
+            )
         return file
 
 
@@ -80,6 +83,31 @@ def session_directory(config: pytest.Config) -> str:
     if process is not None and process.sock is not None and process.address:
         return os.path.dirname(process.address)
     return ""
+
+
+def full_stacks(config: pytest.Config) -> bool:
+    """Whether terminals show the stacks of expired scopes whole (``--full-trace`` or
+    ``-vv``); otherwise the frames of pytest and its plugins leading to the test are
+    left out, as pytest leaves them out of tracebacks."""
+    return bool(config.getoption("fulltrace", False)) or config.get_verbosity() >= 2
+
+
+def record_text(
+    config: pytest.Config, record: records.ExpiryRecord, *, with_stack: bool = True
+) -> str:
+    """``record`` as the terminal shows it: files relative to rootdir, the stack
+    trimmed unless :func:`full_stacks`."""
+    return records.format_record(
+        record,
+        with_stack=with_stack,
+        rootdir=str(config.rootpath),
+        full_stack=full_stacks(config),
+    )
+
+
+def stack_text(config: pytest.Config, stack: str) -> str:
+    """A stack as the terminal shows it (see :func:`full_stacks`)."""
+    return stack if full_stacks(config) else stacks.trim_stack(stack)
 
 
 def expiry_records(config: pytest.Config) -> list[records.ExpiryRecord]:

@@ -23,7 +23,13 @@ from _pytest._io import TerminalWriter
 
 from pytest_elastic_timer.core import records, unpatched
 from pytest_elastic_timer.plugin import remote_hosts
-from pytest_elastic_timer.plugin.state import SESSION, is_worker, records_beside
+from pytest_elastic_timer.plugin.state import (
+    SESSION,
+    is_worker,
+    record_text,
+    records_beside,
+    stack_text,
+)
 from pytest_elastic_timer.scope import client, scopes
 
 ADDRESS_KEY = "elastic_timer_address"
@@ -39,17 +45,21 @@ _monotonic = unpatched.monotonic
 class ExpiryRepr(TerminalRepr):
     """The failure text of a test whose process the watchdog ended."""
 
-    def __init__(self, record: records.ExpiryRecord, path: str, lineno: int) -> None:
+    def __init__(
+        self, record: records.ExpiryRecord, path: str, lineno: int, config: pytest.Config
+    ) -> None:
         self.record = record
         self.reprcrash = ReprFileLocation(path, lineno, record.line_text())
+        self.text = record_text(config, record, with_stack=False).split("\n", 1)[-1]
+        self.stack = stack_text(config, record.stack)
 
     def toterminal(self, tw: TerminalWriter) -> None:
         tw.line(self.record.line_text(), red=True, bold=True)
-        tw.line(records.format_record(self.record, with_stack=False).split("\n", 1)[-1])
-        if self.record.stack:
+        tw.line(self.text)
+        if self.stack:
             tw.line("")
             tw.line("stack of the owner when it was ended:")
-            tw.line(self.record.stack.rstrip())
+            tw.line(self.stack.rstrip())
 
 
 # -- controller ----------------------------------------------------------------------
@@ -135,9 +145,9 @@ def pytest_handlecrashitem(crashitem: str, report: pytest.TestReport, sched: Any
     report.when = phase_of(record.scope, domain)
     lineno = max(record.line - 1, 0) if record.file.endswith(path) else None
     report.location = (path, lineno, domain)
-    report.longrepr = ExpiryRepr(record, path, record.line)
+    report.longrepr = ExpiryRepr(record, path, record.line, config)
     if record.stack:
-        report.sections.append(("elastic-timer stack dump", record.stack))
+        report.sections.append(("elastic-timer stack dump", stack_text(config, record.stack)))
     report.user_properties.append((SCOPE_PROPERTY, record.scope))
 
 

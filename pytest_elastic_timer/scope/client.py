@@ -248,7 +248,8 @@ class ProcessState:
         key = (frame.f_code, frame.f_lineno)
         site = self.sites.get(key)
         if site is None:
-            filename = frame.f_code.co_filename
+            # Normalized: a module imported through a path such as src/../lib.
+            filename = os.path.normpath(frame.f_code.co_filename)
             line = frame.f_lineno
             site = self.sites[key] = (
                 self.sid(f"{filename}:{line}"),

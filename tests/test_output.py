@@ -1,0 +1,189 @@
+"""What the terminal shows of expired scopes: stacks without the frames of pytest and
+its plugins that lead to the test (whole with --full-trace or -vv), expiries caught in
+passing tests in one line (listed with -v), and files as pytest shows them."""
+
+from __future__ import annotations
+
+import re
+import traceback
+
+import pytest
+from helpers import failure_block, run, section
+
+from pytest_elastic_timer.core.stacks import trim_stack
+
+RUNNER_FRAME = re.compile(r'File ".*/(_pytest|pluggy|xdist)/[^"]*", line \d+')
+HIDDEN = re.compile(
+    r"^\s*\.\.\. \d+ outer frames of pytest and its plugins \(--full-trace shows them\)$"
+)
+
+# A worker stuck in a C call that holds the GIL: the watchdog dumps its stacks and ends it.
+STUCK_WORKER = """
+import pytest
+
+@pytest.mark.expires(1)
+def test_gil():
+    spin()
+
+def spin():
+    sum(range(10**11))
+"""
+
+
+def summary_section(stdout: str) -> str:
+    """The text of the "elastic-timer: expired scopes" section of the terminal summary."""
+    after = stdout.split(" elastic-timer: expired scopes ", 1)
+    assert len(after) == 2, stdout
+    return re.split(r"^=+ .* =+$", after[1].split("\n", 1)[1], maxsplit=1, flags=re.M)[0]
+
+
+def test_stacks_leave_out_the_runners_frames_before_the_test(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_stuck=STUCK_WORKER)
+    session = run(pytester, "-p", "xdist", "-n", "1", "--elastic-timer-grace=0.5")
+    session.result.assert_outcomes(failed=1)
+    record = session.record("test_gil::call")
+    assert record["action"] in ("terminated", "killed")
+    # The JSON record keeps the whole stack.
+    assert RUNNER_FRAME.search(record["stack"]), record["stack"]
+    block = failure_block(session, "test_gil")
+    shown = {
+        "failure": block.split("stack of the owner when it was ended:", 1)[1],
+        "failure's section": section(block, "elastic-timer stack dump"),
+        "terminal summary": summary_section(session.stdout),
+    }
+    for where, text in shown.items():
+        # From the test's frames inwards, everything; nothing of the way there.
+        main = text.split("Current thread", 1)[1]
+        frames = [s.strip() for s in main.splitlines() if s.strip()][1:]
+        assert re.match(r'File ".*test_stuck\.py", line \d+ in spin$', frames[0]), (where, text)
+        assert re.match(r'File ".*test_stuck\.py", line \d+ in test_gil$', frames[1]), where
+        assert HIDDEN.match(frames[2]), (where, text)
+        assert not RUNNER_FRAME.search(text), (where, text)
+
+
+def test_a_traceback_keeps_its_frames_from_the_test_on() -> None:
+    """Python's own format (most recent call last, source lines): the same cut."""
+    text = "".join(traceback.format_stack())
+    assert RUNNER_FRAME.search(text)
+    lines = trim_stack(text).splitlines()
+    assert HIDDEN.match(lines[0]), lines
+    assert re.match(r'  File ".*test_output\.py", line \d+, in test_a_traceback_keeps', lines[1])
+    assert lines[2].strip() == 'text = "".join(traceback.format_stack())'
+    assert len(lines) == 3, lines
+
+
+@pytest.mark.parametrize("flag", ["--full-trace", "-vv"])
+def test_full_trace_or_vv_shows_stacks_whole(pytester: pytest.Pytester, flag: str) -> None:
+    pytester.makepyfile(test_stuck=STUCK_WORKER)
+    session = run(pytester, "-p", "xdist", "-n", "1", "--elastic-timer-grace=0.5", flag)
+    session.result.assert_outcomes(failed=1)
+    block = failure_block(session, "test_gil")
+    dump = section(block, "elastic-timer stack dump")
+    for text in (block, dump, summary_section(session.stdout)):
+        assert RUNNER_FRAME.search(text), text
+        assert not any(HIDDEN.match(s) for s in text.splitlines()), text
+
+
+CAUGHT = """
+import time
+
+import pytest
+import pytest_elastic_timer as et
+
+
+@pytest.mark.parametrize("n", range(3))
+def test_caught(n):
+    with pytest.raises(et.ScopeExpired):
+        with et.expires(0.1, scope=f"caught{n}"):
+            time.sleep(30)
+
+
+def test_caught_then_failed():
+    with pytest.raises(et.ScopeExpired):
+        with et.expires(0.1, scope="then"):
+            time.sleep(30)
+    assert False, "failed after the expiry"
+
+
+def test_not_caught():
+    with et.expires(0.1, scope="hung"):
+        time.sleep(30)
+"""
+
+
+def test_expiries_caught_in_passing_tests_are_one_line(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_caught=CAUGHT)
+    session = run(pytester)
+    session.assert_clean()
+    session.result.assert_outcomes(passed=3, failed=2)
+    assert session.report is not None and len(session.report["expired"]) == 5
+    text = summary_section(session.stdout)
+    assert "3 scopes expired inside tests that passed (caught on purpose); -v lists them" in (
+        text.splitlines()
+    ), text
+    assert "caught0" not in text and "caught2" not in text
+    # Those of failed tests are listed in full.
+    for scope in ("test_caught_then_failed::call/then", "test_not_caught::call/hung"):
+        assert f"scope '{scope}' expired after" in text, text
+
+
+def test_v_lists_expiries_caught_in_passing_tests(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_caught=CAUGHT)
+    session = run(pytester, "-v")
+    session.result.assert_outcomes(passed=3, failed=2)
+    text = summary_section(session.stdout)
+    for n in range(3):
+        assert f"scope 'test_caught[{n}]::call/caught{n}' expired after" in text, text
+    assert "caught on purpose" not in text
+
+
+PATHS_CONFTEST = """
+import os
+import sys
+
+here = os.path.dirname(os.path.abspath(__file__))
+# Paths as some tools put them on sys.path: not normalized.
+sys.path.insert(0, os.path.join(here, "sub", "..", "lib"))
+sys.path.insert(0, os.path.join(here, "..", "outside"))
+"""
+
+STEP = """
+import time
+
+import pytest_elastic_timer as et
+
+
+def {name}():
+    with et.expires(0.1, scope="{name}"):
+        time.sleep(30)
+"""
+
+
+def test_entered_files_are_normalized_and_relative_to_rootdir(
+    pytester: pytest.Pytester,
+) -> None:
+    project = pytester.mkdir("project")
+    (project / "pytest.ini").write_text("[pytest]\n")
+    (project / "sub").mkdir()
+    (project / "lib").mkdir()
+    (project / "lib" / "inside.py").write_text(STEP.format(name="inside"))
+    outside = pytester.mkdir("outside")
+    (outside / "beyond.py").write_text(STEP.format(name="beyond"))
+    (project / "conftest.py").write_text(PATHS_CONFTEST)
+    (project / "test_paths.py").write_text(
+        "import beyond\nimport inside\n\n\n"
+        "def test_inside():\n    inside.inside()\n\n\n"
+        "def test_beyond():\n    beyond.beyond()\n"
+    )
+    session = run(pytester, "project")
+    session.assert_clean()
+    session.result.assert_outcomes(failed=2)
+    text = summary_section(session.stdout)
+    entered = [s.strip() for s in text.splitlines() if s.strip().startswith("entered:")]
+    # Under rootdir: relative to it; elsewhere: absolute; never with "..".
+    assert entered == [
+        "entered: lib/inside.py:8",
+        f"entered: {outside / 'beyond.py'}:8",
+    ], text
+    assert session.record("test_inside::call/inside")["file"] == str(project / "lib/inside.py")
+    assert session.record("test_beyond::call/beyond")["file"] == str(outside / "beyond.py")
