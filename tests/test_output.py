@@ -187,3 +187,60 @@ def test_entered_files_are_normalized_and_relative_to_rootdir(
     ], text
     assert session.record("test_inside::call/inside")["file"] == str(project / "lib/inside.py")
     assert session.record("test_beyond::call/beyond")["file"] == str(outside / "beyond.py")
+
+
+RELAYED = """
+import contextlib
+import time
+
+import pytest_elastic_timer as et
+
+
+@contextlib.contextmanager
+def step(name):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(et.expires(0.1, scope=name))  # GENERATOR LINE
+        yield
+
+
+def test_exit_stack():
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(et.expires(0.1, scope="stack"))  # STACK LINE
+        time.sleep(30)
+
+
+def test_contextmanager():
+    with step("generator"):
+        time.sleep(30)
+
+
+def test_unnamed():
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(et.expires(0.1))  # UNNAMED LINE
+        time.sleep(30)
+"""
+
+
+def test_a_scope_entered_through_contextlib_names_the_users_line(
+    pytester: pytest.Pytester,
+) -> None:
+    path = pytester.makepyfile(test_relayed=RELAYED)
+    lines = path.read_text().splitlines()
+    line = {
+        tag: next(n for n, text in enumerate(lines, 1) if text.endswith(f"# {tag} LINE"))
+        for tag in ("GENERATOR", "STACK", "UNNAMED")
+    }
+    session = run(pytester)
+    session.assert_clean()
+    session.result.assert_outcomes(failed=3)
+    text = summary_section(session.stdout)
+    assert "contextlib" not in text, text
+    # Each scope names its own line, though contextlib entered all three at one line.
+    for scope, tag in (
+        ("test_exit_stack::call/stack", "STACK"),
+        ("test_contextmanager::call/generator", "GENERATOR"),
+        (f"test_unnamed::call/test_relayed.py:{line['UNNAMED']}", "UNNAMED"),
+    ):
+        record = session.record(scope)
+        assert (record["file"], record["line"]) == (str(path), line[tag]), record
+        assert f"  entered: test_relayed.py:{line[tag]}" in text.splitlines(), text

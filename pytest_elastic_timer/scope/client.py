@@ -40,6 +40,24 @@ SignalHandler = Callable[[int, FrameType | None], Any]
 # coroutine's, by its flags CO_ASYNC: asyncio tasks are cancelled rather than
 # interrupted).
 SiteEntry = tuple[Any, str, str | None, int, str, int, bool]
+# Frames that only pass a scope's entry on: contextlib's (ExitStack, contextmanager) and
+# this package's. The site of a scope entered through them is the first frame beyond.
+_CONTEXTLIB_FILE = contextlib.__file__
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _user_frame(frame: FrameType) -> FrameType:
+    """The first frame from ``frame`` outwards that is neither contextlib's nor this
+    package's (``frame`` itself if there is none)."""
+    found: FrameType | None = frame
+    while found is not None:
+        filename = found.f_code.co_filename
+        if filename != _CONTEXTLIB_FILE and not filename.startswith(_PACKAGE_DIR):
+            return found
+        found = found.f_back
+    return frame
+
+
 CO_ASYNC = inspect.CO_COROUTINE | inspect.CO_ITERABLE_COROUTINE | inspect.CO_ASYNC_GENERATOR
 
 # A test may replace these with mocks, and what this package does in that test's
@@ -267,6 +285,12 @@ class ProcessState:
     ) -> SiteEntry:
         """The :data:`SiteEntry` of a scope entered at ``frame`` (or at ``at``) below
         ``parent``: the path behind the fast cache."""
+        # Entered by contextlib (ExitStack.enter_context): the site is the caller's
+        # frame that asked for it. contextlib's one call site serves every such scope,
+        # so it never goes into the fast cache, keyed by the frame that called it.
+        relayed = at is None and frame.f_code.co_filename == _CONTEXTLIB_FILE
+        if relayed:
+            frame = _user_frame(frame)
         code = frame.f_code
         key = (id(code) if at is None else at, frame.f_lasti, parent, name)
         entry = self.entries.get(key)
@@ -289,7 +313,7 @@ class ProcessState:
                 bool(code.co_flags & CO_ASYNC),
             )
             self.entries[key] = entry
-        if at is None:
+        if at is None and not relayed:
             self.sites_fast[id(code) + frame.f_lasti] = entry
         return entry
 
