@@ -10,6 +10,7 @@ left in the directory after they exited.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -223,3 +224,54 @@ def test_init_process_group_names_the_process_after_its_rank(
     done = run_program(tmp_path, LABEL, *args)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == labels
+
+
+ENV_RANK = """
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")  # rank, world size and address from the environment
+dist.all_reduce(torch.ones(3))
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_env_style_ranks_are_recorded_as_one_world(tmp_path: Path) -> None:
+    """Ranks started the way torchrun starts them: RANK, WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT in their environment, init_process_group without arguments."""
+    program = tmp_path / "program.py"
+    program.write_text(ENV_RANK, encoding="utf-8")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = session_env(tmp_path, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-W", "error", str(program)],
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            cwd=tmp_path,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        errors = [proc.communicate(timeout=TIMEOUT)[1] for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert [proc.returncode for proc in procs] == [0, 0], errors
+    rings = sorted(col.read_rings(col.ring_paths(str(tmp_path))), key=lambda r: r.rank)
+    assert [(r.rank, r.world, r.label, r.pid) for r in rings] == [
+        (rank, 2, f"rank {rank}", proc.pid) for rank, proc in enumerate(procs)
+    ]
+    assert {r.world_id for r in rings} == {f"tcp://127.0.0.1:{port}"}
+    for ring in rings:
+        assert [(e.op, e.seq, e.state) for e in ring.entries] == [
+            ("init_process_group", 0, col.COMPLETED),
+            ("all_reduce", 1, col.COMPLETED),
+            ("barrier", 2, col.COMPLETED),
+        ]
