@@ -2,9 +2,15 @@
 
 Timer scopes (``expires()``, ``TimerRequest``) are enforced by a session-scoped watchdog
 process that lives outside every test process; see https://pytest-elastic-timer docs.
+
+The barriers, events and locks and torch's timer client are imported on first use (a
+process that only enters scopes never loads them).
 """
 
 from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from pytest_elastic_timer.scope.scopes import (
     ScopeExpired,
@@ -14,19 +20,55 @@ from pytest_elastic_timer.scope.scopes import (
     expires,
     set_label,
 )
-from pytest_elastic_timer.scope.torch_compat import TimerClient, configure_torch
-from pytest_elastic_timer.sync.client import (
-    BarrierTimeout,
-    Event,
-    EventTimeout,
-    LockAbandoned,
-    LockTimeout,
-    Party,
-    SessionLock,
-    SyncTimeout,
-    barrier,
-    lock,
-)
+
+if TYPE_CHECKING:
+    from pytest_elastic_timer.scope.torch_compat import TimerClient, configure_torch
+    from pytest_elastic_timer.sync.client import (
+        BarrierTimeout,
+        Event,
+        EventTimeout,
+        LockAbandoned,
+        LockTimeout,
+        Party,
+        SessionLock,
+        SyncTimeout,
+        barrier,
+        lock,
+    )
+
+# public name -> the module that defines it, imported when the name is first used
+_LAZY = {
+    **dict.fromkeys(("TimerClient", "configure_torch"), "pytest_elastic_timer.scope.torch_compat"),
+    **dict.fromkeys(
+        (
+            "BarrierTimeout",
+            "Event",
+            "EventTimeout",
+            "LockAbandoned",
+            "LockTimeout",
+            "Party",
+            "SessionLock",
+            "SyncTimeout",
+            "barrier",
+            "lock",
+        ),
+        "pytest_elastic_timer.sync.client",
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 
 __all__ = [
     "BarrierTimeout",

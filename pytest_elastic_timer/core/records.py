@@ -14,7 +14,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pytest_elastic_timer.core import collectives, stacks
+from pytest_elastic_timer.core import stacks
 
 REPORT_VERSION = 1
 ACTIONS = ("interrupted", "terminated", "killed")
@@ -77,6 +77,8 @@ class ExpiryRecord:
 
     def rank_stacks(self) -> dict[int, str]:
         """The stacks of the ranks among the owner and its children, by global rank."""
+        from pytest_elastic_timer.core import collectives  # only records of ranks ask
+
         stacks: dict[int, str] = {}
         for label, stack in (
             (self.label, self.stack),
@@ -179,6 +181,8 @@ def format_record(
         lines.append(f"  entered: {file}:{record.line}" if record.line else f"  entered: {file}")
     lines.append(f"  process: {record.owner_text()}")
     if record.collective:
+        from pytest_elastic_timer.core import collectives  # only records of ranks have one
+
         lines.append("  " + collectives.collective_line(record.collective, record.rank_stacks()))
     if record.phase and not record.nodeid:
         lines.append(f"  phase:   {record.phase}")

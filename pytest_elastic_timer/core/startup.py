@@ -27,6 +27,10 @@ import signal
 import sys
 
 ENV_DUMP_SIGNAL = "PYTEST_ELASTIC_TIMER_DUMP_SIGNAL"
+# torch's FileTimerClient of every process of the session writes to this FIFO in the
+# session directory (the watchdog reads it: watchdog/file_timer.py).
+ENV_TORCH_TIMER_FILE = "TORCHELASTIC_TIMER_FILE"
+TORCH_TIMER_FIFO = "torch-timer.fifo"
 DIRECTORY = "startup"
 
 

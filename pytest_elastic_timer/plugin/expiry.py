@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from _pytest._code.code import ExceptionChainRepr, ReprEntryNative, ReprExceptionInfo
 
-from pytest_elastic_timer.core import collectives, records, unpatched
+from pytest_elastic_timer.core import records, unpatched
 from pytest_elastic_timer.core.records import ExpiryRecord
 from pytest_elastic_timer.plugin.state import (
     SESSION,
@@ -187,6 +187,8 @@ def _add_process_sections(item: pytest.Item, report: pytest.TestReport) -> None:
                 )
             )
         elif record.collective:
+            from pytest_elastic_timer.core import collectives  # only for ranks' records
+
             line = collectives.collective_line(record.collective, record.rank_stacks())
             report.sections.append(("elastic-timer: collective", line))
         for child in record.children:
@@ -208,6 +210,8 @@ def _add_collective_sections(item: pytest.Item, report: pytest.TestReport) -> No
     directory = session_directory(item.config)
     if not directory:
         return
+    from pytest_elastic_timer.core import collectives  # a failed test's, once
+
     found = collectives.rings_of_test(directory, item.nodeid)
     if any(collectives.died_in_an_op(ring) for ring in found):
         report.sections.append(

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from pytest_elastic_timer.core import records
+from pytest_elastic_timer.core import records, torch_hook
 from pytest_elastic_timer.plugin import hookspecs, leaks, lifecycle, running, xdist_support
 from pytest_elastic_timer.plugin.budgets import BudgetBook, Budgets
 from pytest_elastic_timer.plugin.expiry import watch_failures
@@ -32,7 +32,7 @@ from pytest_elastic_timer.plugin.state import (
     record_text,
     uses_xdist,
 )
-from pytest_elastic_timer.scope import collectives, scopes
+from pytest_elastic_timer.scope import scopes
 
 # The CI outputs, by the condition under which a session uses them.
 CI_SLOW = "pytest_elastic_timer.ci.slow"
@@ -79,7 +79,7 @@ def pytest_configure(config: pytest.Config) -> None:
     lifecycle.start_watchdog(config, state)
     if state.watchdog is not None:
         scopes.process_state().set_nodeid("")  # register now; not the outer session's test
-        collectives.watch()  # torch.distributed's ops in this process are recorded too
+        torch_hook.watch()  # torch.distributed's ops in this process are recorded too
 
 
 def _register_ci_outputs(config: pytest.Config, state: SessionState) -> None:

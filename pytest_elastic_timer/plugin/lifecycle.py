@@ -16,7 +16,6 @@ from pytest_elastic_timer.plugin.hookspecs import SessionFacts
 from pytest_elastic_timer.plugin.state import SESSION, SessionState, is_worker, uses_xdist
 from pytest_elastic_timer.scope import client, scopes
 from pytest_elastic_timer.scope.scopes import ScopeExpired, TimerRequest
-from pytest_elastic_timer.watchdog import file_timer
 
 SESSION_END_GRACE = 5.0  # for the session's end (summary, reports) after its interrupt
 
@@ -63,7 +62,7 @@ def start_watchdog(config: pytest.Config, state: SessionState) -> None:
         (client.ENV_ADDRESS, handle.address),
         (client.ENV_SCALE, repr(settings.scale)),
         (startup.ENV_DUMP_SIGNAL, str(startup.session_dump_signal())),
-        (file_timer.ENV_FILE, os.path.join(handle.directory, file_timer.FIFO_NAME)),
+        (startup.ENV_TORCH_TIMER_FILE, os.path.join(handle.directory, startup.TORCH_TIMER_FIFO)),
         ("PYTHONPATH", python_path),
     ):
         state.previous_env[name] = os.environ.get(name)

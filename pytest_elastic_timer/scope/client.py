@@ -29,7 +29,7 @@ from typing import Any
 
 from pytest_elastic_timer.core import startup, unpatched, wire
 from pytest_elastic_timer.core import table as tbl
-from pytest_elastic_timer.scope import collectives
+from pytest_elastic_timer.scope import ranklabel
 
 ENV_ADDRESS = "PYTEST_ELASTIC_TIMER"
 ENV_SCALE = "PYTEST_ELASTIC_TIMER_SCALE"  # scale factor where no watchdog tells it
@@ -70,8 +70,8 @@ def label_from_env() -> str:
     """The label this process has by default: ``rank N`` of its global rank once it
     called ``init_process_group``, before that from ``RANK`` or ``LOCAL_RANK``; ""
     without one."""
-    if collectives.rank_label:  # init_process_group said which global rank this is
-        return collectives.rank_label
+    if ranklabel.label:  # init_process_group said which global rank this is
+        return ranklabel.label
     for name in ("RANK", "LOCAL_RANK"):
         value = os.environ.get(name)
         if value is not None and value.strip().lstrip("-").isdigit():

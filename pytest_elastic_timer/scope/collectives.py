@@ -18,7 +18,7 @@ same on every rank of a correct program.
 
 ``init_process_group`` is recorded too (sequence number 0 of the default group: a
 rank stuck in the rendezvous), and it labels the process ``rank N`` by its global rank
-(:data:`rank_label`), unless the process set a label of its own.
+(:data:`.ranklabel.label`), unless the process set a label of its own.
 
 Nothing here imports torch: :func:`install` runs after torch.distributed was imported
 by someone else.
@@ -38,15 +38,12 @@ from types import CodeType, FrameType, ModuleType
 from typing import Any
 
 from pytest_elastic_timer.core import collectives as ring_format
+from pytest_elastic_timer.scope import ranklabel
 
 ENV_ADDRESS = "PYTEST_ELASTIC_TIMER"  # the session's watchdog socket, in its directory
 ENV_SWITCH = "PYTEST_ELASTIC_TIMER_COLLECTIVES"  # "0": no recorder in this session
 MAX_TENSORS = 8  # tensors described per op (the first ones)
 
-# "rank N" once this process called init_process_group (its global rank), else "".
-rank_label = ""
-# Called with rank_label when it is set: the scope side names the process after it.
-label_listeners: list[Callable[[str], None]] = []
 
 _monotonic = time.monotonic  # bound once: a test may patch the module's names
 _get_ident = threading.get_ident
@@ -139,8 +136,8 @@ class Recorder:
             return None
         ring.set_text(ring_format.T_NODEID, _current_test())
         ring.set_text(ring_format.T_WORKER, os.environ.get("PYTEST_XDIST_WORKER", ""))
-        if rank_label:
-            ring.set_text(ring_format.T_LABEL, rank_label)
+        if ranklabel.label:
+            ring.set_text(ring_format.T_LABEL, ranklabel.label)
         self.ring = ring
         return ring
 
@@ -448,7 +445,7 @@ def _wrap_init(fn: Callable[..., Any]) -> Callable[..., Any]:
                 rank = _int(bound.get("rank"), os.environ.get("RANK"))
                 world = _int(bound.get("world_size"), os.environ.get("WORLD_SIZE"))
                 if rank >= 0:  # known before the rendezvous: name a rank stuck in it
-                    ring.set_rank(rank, max(world, 0), rank_label or f"rank {rank}")
+                    ring.set_rank(rank, max(world, 0), ranklabel.label or f"rank {rank}")
                 if world > 0:
                     ring.add_group(ring_format.DEFAULT_GROUP, range(world))
                 serial = ring.begin(
@@ -482,23 +479,18 @@ def _wrap_init(fn: Callable[..., Any]) -> Callable[..., Any]:
 def _adopt_rank(recorder: Recorder, begun: tuple[ring_format.RingWriter, int] | None) -> None:
     """After init_process_group: the ring says which rank this is, and the process is
     labelled ``rank N``."""
-    global rank_label
     dist = recorder.dist
     try:
         rank, world = int(dist.get_rank()), int(dist.get_world_size())
     except Exception:
         return
-    rank_label = f"rank {rank}"
+    label = f"rank {rank}"
     if begun is not None:
         ring, serial = begun
-        ring.set_rank(rank, world, rank_label)
+        ring.set_rank(rank, world, label)
         recorder.group_name(None)  # the default group's members, in the ring
         ring.complete(serial)
-    for listener in list(label_listeners):
-        try:
-            listener(rank_label)
-        except Exception:  # a label is worth less than the user's init
-            pass
+    ranklabel.set_label(label)
 
 
 def _wrap_destroy(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -568,10 +560,9 @@ def _at_exit() -> None:
 
 
 def _after_fork() -> None:
-    global rank_label
     if _recorder is not None:
         _recorder.forget()
-    rank_label = ""
+    ranklabel.forget()
 
 
 def recorder() -> Recorder | None:

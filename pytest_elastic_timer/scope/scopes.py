@@ -28,7 +28,7 @@ from typing import Any
 
 from pytest_elastic_timer.core import table as tbl
 from pytest_elastic_timer.core.seconds import check_seconds
-from pytest_elastic_timer.scope import client, collectives, delivery
+from pytest_elastic_timer.scope import client, delivery, ranklabel
 from pytest_elastic_timer.scope.delivery import ScopeExpired, TimeoutException
 
 __all__ = [
@@ -600,7 +600,7 @@ def _label_rank(label: str) -> None:
         state.set_label(label)
 
 
-collectives.label_listeners.append(_label_rank)
+ranklabel.listeners.append(_label_rank)
 
 
 def _close_abandoned(stack: ScopeStack, scope: TimerRequest) -> None:

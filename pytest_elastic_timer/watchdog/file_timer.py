@@ -27,11 +27,12 @@ import os
 import time
 from typing import Any
 
+from pytest_elastic_timer.core import startup
 from pytest_elastic_timer.core import table as tbl
 from pytest_elastic_timer.watchdog.host import Adopted, TableHost
 
-FIFO_NAME = "torch-timer.fifo"
-ENV_FILE = "TORCHELASTIC_TIMER_FILE"
+FIFO_NAME = startup.TORCH_TIMER_FIFO
+ENV_FILE = startup.ENV_TORCH_TIMER_FILE
 MAX_LINE = 4096  # torch refuses requests above PIPE_BUF; we allow a little more
 
 
