@@ -74,18 +74,21 @@ class Dumper:
         signum = self.dump_signal
         me = os.getpid()
         asked = AskedDumps(self.clock() + PATIENCE)
-        for proc in proctree.descendants(owner.proc):
-            if proc.pid == me:
-                continue  # pytest's child, but the watchdog is nobody's evidence
-            info = proctree.describe(proc)
-            info["label"] = proctree.label_of(proc)
+        # (the watchdog is pytest's child, but nobody's evidence)
+        below = [p for p in proctree.descendants(owner.proc) if p.pid != me]
+        paths: list[tuple[str, int]] = []
+        for proc in below:  # the signals first: the dumps begin while the rest is done
             path = startup.dump_path(self.directory, proc.pid)
             if signum and startup.catches(proc.pid, signum):
                 offset = _size(path)
                 proctree.send([proc], signum)
-                asked.dumps.append(ChildDump(info, path, offset))
+                paths.append((path, offset))
             else:
-                asked.dumps.append(ChildDump(info, "", 0))
+                paths.append(("", 0))
+        for proc, (path, offset) in zip(below, paths, strict=True):
+            info = proctree.describe(proc)
+            info["label"] = proctree.label_of(proc)
+            asked.dumps.append(ChildDump(info, path, offset))
         return asked
 
     def begun(self, asked: AskedDumps) -> Generator[float, None, None]:
