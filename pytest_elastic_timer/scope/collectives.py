@@ -32,12 +32,12 @@ import inspect
 import os
 import sys
 import threading
-import time
 from collections.abc import Callable
 from types import CodeType, FrameType, ModuleType
 from typing import Any
 
 from pytest_elastic_timer.core import collectives as ring_format
+from pytest_elastic_timer.core import unpatched
 from pytest_elastic_timer.scope import ranklabel
 
 ENV_ADDRESS = "PYTEST_ELASTIC_TIMER"  # the session's watchdog socket, in its directory
@@ -45,7 +45,9 @@ ENV_SWITCH = "PYTEST_ELASTIC_TIMER_COLLECTIVES"  # "0": no recorder in this sess
 MAX_TENSORS = 8  # tensors described per op (the first ones)
 
 
-_monotonic = time.monotonic  # bound once: a test may patch the module's names
+# From core/unpatched.py, bound when the package was first imported: this module loads
+# only once torch.distributed is imported, maybe inside a test that patched time's names.
+_monotonic = unpatched.monotonic
 _get_ident = threading.get_ident
 _MARK = "_pytest_elastic_timer_recorded"
 
