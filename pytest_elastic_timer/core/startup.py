@@ -196,3 +196,19 @@ def catches(pid: int, signum: int) -> bool:
     except (OSError, ValueError):
         return False
     return False
+
+
+def handling(pid: int, signum: int) -> bool:
+    """Whether ``signum`` is pending in process ``pid`` or blocked in its main thread, as
+    it is while the main thread runs its handler (Linux: ShdPnd, SigPnd, SigBlk)."""
+    bit = 1 << (signum - 1)
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(("ShdPnd:", "SigPnd:", "SigBlk:")) and (
+                    int(line.split()[1], 16) & bit
+                ):
+                    return True
+    except (OSError, ValueError):
+        return False
+    return False

@@ -8,10 +8,9 @@ call holds it. The watchdog sends the signal and reads what was appended to the
 process's dump file once it has stopped growing (0.3 s at most).
 
 The processes below an expired scope's owner are asked for their dumps first; the owner
-is interrupted as soon as every one of them has begun writing (waiting a few
-milliseconds at most), and their files are read afterwards. A harness tears its ranks
-down as soon as the owner fails, but the owner must first take its interrupt and
-unwind, while a dump that has begun is written out from the signal handler at once.
+is interrupted as soon as every one of them has written its dump (its handler has
+returned: a millisecond or two, 50 ms at most), since a harness tears its ranks down as
+soon as the owner fails; the files are read afterwards.
 
 The waits are steps of the escalation ladder: each function here is a generator that
 yields the delay until it looks at the file again, and returns the text.
@@ -32,8 +31,8 @@ from pytest_elastic_timer.watchdog.owners import Owner
 
 DUMP_FRAMES = 25  # innermost frames kept per thread of a faulthandler dump
 PATIENCE = 0.3  # the longest wait for a dump file to stop growing
-BEGUN_WITHIN = 0.005  # the longest wait, before an interrupt, for asked dumps to begin
-BEGUN_POLL = 0.001  # how often the dump files are looked at meanwhile (select()'s unit)
+WRITTEN_WITHIN = 0.05  # the longest wait, before an interrupt, for asked dumps
+WRITTEN_POLL = 0.001  # how often they are looked at meanwhile (select()'s unit)
 
 
 class Dumper:
@@ -76,26 +75,29 @@ class Dumper:
         asked = AskedDumps(self.clock() + PATIENCE)
         # (the watchdog is pytest's child, but nobody's evidence)
         below = [p for p in proctree.descendants(owner.proc) if p.pid != me]
-        paths: list[tuple[str, int]] = []
+        paths: list[tuple[str, int, bool]] = []
         for proc in below:  # the signals first: the dumps begin while the rest is done
             path = startup.dump_path(self.directory, proc.pid)
             if signum and startup.catches(proc.pid, signum):
                 offset = _size(path)
+                # (a main thread that blocks the signal leaves its handler to another
+                # thread, whose end cannot be told from here: its dump counts once begun)
+                blocks = startup.handling(proc.pid, signum)
                 proctree.send([proc], signum)
-                paths.append((path, offset))
+                paths.append((path, offset, blocks))
             else:
-                paths.append(("", 0))
-        for proc, (path, offset) in zip(below, paths, strict=True):
+                paths.append(("", 0, False))
+        for proc, (path, offset, blocks) in zip(below, paths, strict=True):
             info = proctree.describe(proc)
             info["label"] = proctree.label_of(proc)
-            asked.dumps.append(ChildDump(info, path, offset))
+            asked.dumps.append(ChildDump(info, path, offset, proc.pid, signum, blocks))
         return asked
 
-    def begun(self, asked: AskedDumps) -> Generator[float, None, None]:
-        """Wait until every asked dump has begun (``BEGUN_WITHIN`` at most)."""
-        give_up = self.clock() + BEGUN_WITHIN
-        while not asked.begun() and self.clock() < give_up:
-            yield BEGUN_POLL
+    def written(self, asked: AskedDumps) -> Generator[float, None, None]:
+        """Wait until every asked dump has been written (``WRITTEN_WITHIN`` at most)."""
+        give_up = self.clock() + WRITTEN_WITHIN
+        while not asked.written() and self.clock() < give_up:
+            yield WRITTEN_POLL
 
     def finished(self, asked: AskedDumps) -> Generator[float, None, None]:
         """Wait until the asked dump files have stopped growing (until ``PATIENCE``
@@ -116,15 +118,28 @@ class ChildDump:
     info: dict[str, Any]  # proctree.describe() and its label
     path: str
     offset: int  # the dump file's size before the signal
+    pid: int = 0
+    signum: int = 0
+    main_blocks: bool = False  # its main thread blocked the signal before it was sent
+
+    def written(self) -> bool:
+        """Whether the dump was written out: the file grew, and the signal is neither
+        pending nor blocked in the process's main thread any more, where the kernel
+        runs the handler (a handler runs with its own signal blocked, so a dump that
+        has only begun shows as blocked)."""
+        if _size(self.path) <= self.offset:
+            return False
+        return self.main_blocks or not startup.handling(self.pid, self.signum)
 
 
 @dataclass
 class AskedDumps:
     """The dumps asked of the processes below an owner at its scope's expiry.
 
-    faulthandler writes a dump from its C signal handler, all of it at once, so reading
-    the files after the owner was interrupted still finds the stacks the processes had
-    at expiry, also of a process that a harness killed meanwhile.
+    faulthandler writes a dump from its C signal handler, a few lines per ``write()``:
+    once the handler has returned, the dump is in the file, and reading the files after
+    the owner was interrupted still finds the stacks the processes had at expiry, also
+    of a process that a harness killed meanwhile.
     """
 
     give_up: float  # when a dump that has not ended is read as it is
@@ -143,6 +158,10 @@ class AskedDumps:
     def begun(self) -> bool:
         """Whether every asked process has started writing its dump."""
         return all(_size(d.path) > d.offset for d in self.waiting())
+
+    def written(self) -> bool:
+        """Whether every asked process has written its dump out."""
+        return all(d.written() for d in self.waiting())
 
     def children(self) -> list[dict[str, Any]]:
         """Each process with the stack written so far (where one was asked for)."""

@@ -1,7 +1,7 @@
 """The escalation ladder, for one expired scope:
 
 1. interrupt -- the owner's interrupt signal raises ``ScopeExpired`` in the owning thread
-   (once every process below the owner has begun dumping its stacks: once the owner is
+   (once every process below the owner has dumped its stacks: once the owner is
    interrupted, harnesses tear their ranks down and the evidence is gone; the dumps are
    read afterwards);
 2. dump      -- after the grace period, faulthandler dumps every thread of the owner;
@@ -68,7 +68,7 @@ class Ladder:
             asked = self.dumper.ask_descendants(owner)
             if asked:
                 expiry.read_children = asked.children
-                yield from self.dumper.begun(asked)
+                yield from self.dumper.written(asked)
         signum = int(table.words[tbl.H_INTERRUPT_SIG])
         if interrupt and signum:
             proctree.send([owner.proc], signum)
