@@ -31,7 +31,6 @@ import pytest
 from pytest_elastic_timer.core import hostid, records, startup, wire
 from pytest_elastic_timer.plugin import launcher
 from pytest_elastic_timer.scope import client, scopes
-from pytest_elastic_timer.watchdog import file_timer
 
 HOST_KEY = "elastic_timer_host"  # workerinput: the controller's identity and settings
 RECORDS_ATTRIBUTE = "elastic_timer_records"  # on reports and in workeroutput
@@ -238,7 +237,7 @@ def join(config: pytest.Config, controller: Any) -> bool:
         (client.ENV_ADDRESS, host.address),
         (client.ENV_SCALE, repr(scale)),
         (startup.ENV_DUMP_SIGNAL, str(dump_signal)),
-        (file_timer.ENV_FILE, os.path.join(host.directory, file_timer.FIFO_NAME)),
+        (startup.ENV_TORCH_TIMER_FILE, os.path.join(host.directory, startup.TORCH_TIMER_FIFO)),
         ("PYTHONPATH", python_path),
     ):
         os.environ[name] = value
