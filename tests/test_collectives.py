@@ -650,3 +650,21 @@ def test_the_watchdog_names_ranks_and_adds_the_collective_to_a_record(ranks: Any
     elsewhere = dataclasses.replace(record, host="node-2", collective=None)
     CollectivesAmender(directory)(elsewhere)
     assert elsewhere.collective is None  # another host's rings are not here
+
+
+def test_a_ranks_stack_on_the_terminal_keeps_the_frames_around_the_recorder() -> None:
+    """The recorder's frame lies between the test's code and torch's: trimming the
+    runner's outer frames must not take it for one of them (and cut the test's)."""
+    from pytest_elastic_timer.core import stacks
+
+    recorder = os.path.join(os.path.dirname(col.__file__), "..", "scope", "collectives.py")
+    recorder = os.path.normpath(recorder)
+    dump = (
+        "Current thread 0x00007f0000000001 (most recent call first):\n"
+        '  File "/env/torch/distributed/distributed_c10d.py", line 3252 in all_reduce\n'
+        f'  File "{recorder}", line 411 in all_reduce\n'
+        '  File "/home/me/project/test_mptc.py", line 22 in test_allreduce\n'
+        '  File "/env/torch/multiprocessing/spawn.py", line 87 in _wrap\n'
+        '  File "<string>", line 1 in <module>\n'
+    )
+    assert stacks.trim_stack(dump) == dump

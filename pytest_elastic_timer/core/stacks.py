@@ -32,6 +32,9 @@ _LAUNCHER_FILES = (
     os.sep + os.path.join("importlib", "_bootstrap_external.py"),
 )
 _SCRIPTS = ("pytest", "py.test")  # the console scripts that start pytest
+# This package's frames that run inside the code under test, not around it: the
+# collectives recorder's wrapper of a torch.distributed op, called by the test's code.
+_INSIDE_THE_TEST = (os.sep + os.path.join("pytest_elastic_timer", "scope", "collectives.py"),)
 
 _FRAME = re.compile(r'^(?P<indent>\s*)File "(?P<file>.*)", line \d+(?P<comma>,?) in ')
 _OUTER = re.compile(r"^\s*\.\.\. (\d+) outer frames$")  # what the watchdog's dump cut off
@@ -60,6 +63,8 @@ _INSTALLED = tuple(
 def is_runner_frame(file: str) -> bool:
     """Whether a frame in ``file`` belongs to what runs the test, not to the test."""
     global _RUNNER_DIRS
+    if file.endswith(_INSIDE_THE_TEST):
+        return False
     if file in _LAUNCHERS or file.endswith(_LAUNCHER_FILES):
         return True
     if os.path.basename(file) in _SCRIPTS:
