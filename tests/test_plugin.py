@@ -25,6 +25,8 @@ from helpers import (
     wait_gone,
 )
 
+from pytest_elastic_timer.plugin import launcher
+
 BEFORE = """
 def test_before():
     pass
@@ -984,3 +986,64 @@ def test_a_session_imports_only_the_ci_outputs_it_uses(
     junit.result.assert_outcomes(passed=1)
     ci = "pytest_elastic_timer.ci"
     assert f"CI MODULES {ci}.junit {ci}.junit_fallback {ci}.slow" in junit.lines
+
+
+# -- start-up: nobody waits for the watchdog ---------------------------------------------
+NO_WATCHDOG_SITE = """
+import os, sys
+if "pytest_elastic_timer.watchdog" in sys.orig_argv:
+    os._exit(3)  # a watchdog that never comes up (a broken install, say)
+"""
+
+
+def test_a_watchdog_that_never_starts_leaves_scopes_in_process(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plugin does not wait for its watchdog to come up. One that never does
+    closes the socket the plugin made for it by exiting: the session's first deadline
+    reads end-of-file instead of the watchdog's answer, and the scope is enforced
+    in-process, with the warning, and the session fails for the lost guarantees."""
+    site = pytester.mkdir("site")
+    (site / "sitecustomize.py").write_text(NO_WATCHDOG_SITE)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    pytester.makepyfile(
+        test_hang="""
+        import time
+        import pytest_elastic_timer as et
+
+        def test_hang():
+            with et.expires(0.5, scope="hang"):
+                time.sleep(30)
+        """
+    )
+    session = run(pytester, report=False)
+    session.result.assert_outcomes(failed=1)
+    assert session.seconds < 25
+    assert "scope 'test_hang::call/hang' expired" in session.stdout
+    assert "enforcing scopes in-process from now on" in session.text
+    assert "elastic-timer: watchdog lost" in session.stdout
+    assert session.result.ret == pytest.ExitCode.TESTS_FAILED
+
+
+def test_a_session_with_nothing_to_read_back_does_not_wait_for_its_watchdog() -> None:
+    """Stopping a watchdog sends the stop command and returns: without a report to read
+    back nothing waits for it. It ends by itself (its socket was listening before it
+    ran), removes its directory, and is reaped by the next start or stop."""
+    handle = launcher.start(grace=1.0, scale=1.0, report=None, session={})
+    assert os.path.exists(handle.address)  # listening before the process ran
+    assert handle.stop({}, wait=False) is None
+    assert handle.returncode is None  # not waited for
+    assert wait_gone(handle.pid, 20.0), "the stopped watchdog did not end by itself"
+    launcher.reap_stopped()
+    assert handle.returncode == 0
+    assert handle.pid not in {c.pid for c in psutil.Process().children()}  # reaped
+    assert not os.path.exists(handle.directory)
+
+
+def test_a_session_with_a_report_waits_for_its_watchdog(tmp_path: Path) -> None:
+    """With a JSON report to read back, stopping waits until the watchdog wrote it."""
+    report = tmp_path / "report.json"
+    handle = launcher.start(grace=1.0, scale=1.0, report=str(report), session={"pid": 1})
+    assert handle.stop({"exitstatus": 0}) == 0
+    assert json.loads(report.read_text())["session"]["exitstatus"] == 0
+    assert not os.path.exists(handle.directory)

@@ -14,16 +14,20 @@ which imports nothing of pytest.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
+import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import psutil
 import pytest
@@ -515,3 +519,62 @@ def test_tree_of_lists_children_first_and_spares() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+# -- socket activation: clients connect before the watchdog runs ------------------------
+EARLY_CLIENT = """
+import sys, time
+import pytest_elastic_timer as et
+try:
+    with et.expires(0.3, scope="early"):
+        time.sleep(30)
+except et.ScopeExpired:
+    sys.exit(0)
+sys.exit(1)
+"""
+
+
+def test_a_client_that_connects_before_the_watchdog_runs_gets_its_scopes_enforced(
+    tmp_path: Path,
+) -> None:
+    """The socket listens before the watchdog process exists (the plugin binds it and
+    hands it over, as socket activation does): a process connects, says hello and
+    enters a scope while nobody accepts; the watchdog started afterwards on that socket
+    accepts it from the backlog and enforces its deadline."""
+    directory = tempfile.mkdtemp(prefix="pet-unit-")
+    address = os.path.join(directory, "watchdog.sock")
+    report = tmp_path / "report.json"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(address)
+    listener.listen(8)
+    env = {**os.environ, ENV_ADDRESS: address}
+    env.pop(ENV_DUMP_SIGNAL, None)
+    client = subprocess.Popen([sys.executable, "-c", EARLY_CLIENT], env=env)
+    watchdog = None
+    try:
+        # The client's connection waits in the backlog: nobody has accepted it.
+        assert select.select([listener], [], [], 60)[0], "the client never connected"
+        watchdog = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "pytest_elastic_timer.watchdog", "--dir", directory),
+                *("--root-pid", str(os.getpid()), "--report", str(report)),
+                *("--listen-fd", str(listener.fileno())),
+            ],
+            pass_fds=(listener.fileno(),),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
+        )
+        listener.close()
+        assert client.wait(60) == 0, "the scope did not expire"
+        watchdog.communicate('{"op": "stop", "session": {}}\n', timeout=30)
+        assert watchdog.returncode == 0
+        expired = json.loads(report.read_text())["expired"]
+        assert [(r["scope"], r["pid"]) for r in expired] == [("early", client.pid)]
+    finally:
+        listener.close()
+        for proc in (client, watchdog):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(directory, ignore_errors=True)

@@ -23,3 +23,9 @@ kill = os.kill
 select = _select_module.select
 Popen = subprocess.Popen
 PIPE = subprocess.PIPE
+# Starting and reaping the watchdog (plugin/launcher.py): no Popen object is left to
+# warn that its process still runs when pytest exits without waiting for it.
+posix_spawn = getattr(os, "posix_spawn", None)
+waitpid = os.waitpid
+waitid = getattr(os, "waitid", None)
+pidfd_open = getattr(os, "pidfd_open", None)

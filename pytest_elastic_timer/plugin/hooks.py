@@ -244,7 +244,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
             end.update(more or {})
         if not state.watchdog.alive() and state.settings.report:
             lifecycle.report_without_watchdog(config, state, end)
-        state.watchdog.stop(end)
+        lifecycle.stop_watchdog(config, state, end)
     lifecycle.restore_environment(state)
     # The process as the session found it (a pytest run inside a test of another).
     state.put_back_scopes()

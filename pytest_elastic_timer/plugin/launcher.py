@@ -7,11 +7,9 @@ import fcntl
 import glob
 import json
 import os
-import selectors
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -23,14 +21,17 @@ from pytest_elastic_timer.scope import client
 STOP_TIMEOUT = 15.0
 
 # A session may start and stop inside a test (pytester) that replaced time's, os's or
-# subprocess's functions with mocks; Popen.wait(timeout) and Popen.kill() would go
-# through time.sleep, time.monotonic and os.kill.
-_Popen = unpatched.Popen
-_PIPE = unpatched.PIPE
+# subprocess's functions with mocks.
 _now = unpatched.now
 _kill = unpatched.kill
 _select = unpatched.select
-_pidfd_open = getattr(os, "pidfd_open", None)
+_posix_spawn = unpatched.posix_spawn
+_waitpid = unpatched.waitpid
+_waitid = unpatched.waitid
+_pidfd_open = unpatched.pidfd_open
+
+SOCKET_NAME = "watchdog.sock"  # in the session directory, as the watchdog names it
+LISTEN_BACKLOG = 128
 
 
 class WatchdogError(RuntimeError):
@@ -60,7 +61,7 @@ def sweep_stale(root: str | None, older_than: float = 60.0) -> list[str]:
             continue
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as probe:
             try:
-                probe.connect(os.path.join(directory, "watchdog.sock"))
+                probe.connect(os.path.join(directory, SOCKET_NAME))
                 continue  # a live watchdog
             except OSError:
                 pass
@@ -71,71 +72,112 @@ def sweep_stale(root: str | None, older_than: float = 60.0) -> list[str]:
 
 @dataclass
 class WatchdogHandle:
-    """A running watchdog: its process, socket address and private directory."""
+    """A running watchdog: its process, socket address and private directory.
 
-    proc: subprocess.Popen[bytes]
+    The process is started with ``posix_spawn``, not ``subprocess.Popen``: a session
+    that has nothing to read back from it does not wait for it to end, and a Popen
+    object of a process that still runs warns when it is collected.
+    """
+
+    pid: int
     address: str
     directory: str
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
+    control: int  # the write end of the watchdog's stdin (-1 once closed)
+    pidfd: int = -1  # a pidfd of the watchdog, -1 where the kernel has none
+    returncode: int | None = None
 
     @property
     def records_path(self) -> str:
         return os.path.join(self.directory, "records.jsonl")
 
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        if self.returncode is not None:
+            return False
+        if self.pidfd >= 0:
+            return not _select([self.pidfd], [], [], 0)[0]
+        return not self._reap(block=False)
 
-    def stop(self, session: dict[str, Any] | None = None) -> int | None:
-        """Ask the watchdog to write its report and exit; wait for it; clean up."""
-        if self.proc.stdin is not None and self.alive():
+    def stop(self, session: dict[str, Any] | None = None, wait: bool = True) -> int | None:
+        """Ask the watchdog to write its report and exit. With ``wait``, wait for it
+        and clean up; without, it is reaped by a later start or stop, or is left to the
+        kernel when this process exits (it ends by itself on the stop command, and on
+        end-of-file of its stdin)."""
+        if self.control >= 0:
+            command = json.dumps({"op": "stop", "session": session or {}}).encode() + b"\n"
+            with contextlib.suppress(OSError):
+                os.write(self.control, command)
+            os.close(self.control)
+            self.control = -1
+        if not wait and self.pidfd >= 0 and self.alive():
+            _unreaped.append(self)
+            return None
+        if self.returncode is None and not self._wait(STOP_TIMEOUT):
+            with contextlib.suppress(ProcessLookupError):
+                _kill(self.pid, signal.SIGKILL)
+        self._reap(block=True)
+        return self.returncode
+
+    def _wait(self, timeout: float) -> bool:
+        """Whether the watchdog ended within ``timeout`` seconds, waited for in one
+        select on its pidfd: no clock, no sleep loop. Without a pidfd the caller reaps
+        it with a blocking waitpid instead."""
+        if self.pidfd < 0:
+            return True
+        return bool(_select([self.pidfd], [], [], timeout)[0])
+
+    def _reap(self, block: bool) -> bool:
+        """Collect the watchdog's exit status if it has ended (waiting for it with
+        ``block``); whether it has. Once ended, its directory goes too: a watchdog
+        removes it itself, unless it never ran or was killed."""
+        if self.returncode is None:
+            flags = 0 if block else os.WNOHANG
             try:
-                command = json.dumps({"op": "stop", "session": session or {}})
-                self.proc.stdin.write(command.encode() + b"\n")
-                self.proc.stdin.flush()
-                self.proc.stdin.close()
-            except (OSError, ValueError):
-                pass
-        if not _wait_exit(self.proc, STOP_TIMEOUT):
-            _end(self.proc)
-        code = self.proc.wait()  # it has ended: a blocking waitpid reaps it at once
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+                if self.pidfd >= 0 and _waitid is not None:
+                    result = _waitid(os.P_PIDFD, self.pidfd, os.WEXITED | flags)
+                    if result is None:
+                        return False
+                    code = result.si_status
+                    self.returncode = -code if result.si_code != os.CLD_EXITED else code
+                else:
+                    done, status = _waitpid(self.pid, flags)
+                    if not done:
+                        return False
+                    self.returncode = os.waitstatus_to_exitcode(status)
+            except ChildProcessError:
+                self.returncode = -1  # reaped by someone else (a test's os.wait())
+        if self.pidfd >= 0:
+            os.close(self.pidfd)
+            self.pidfd = -1
         shutil.rmtree(self.directory, ignore_errors=True)
-        return code
+        return True
 
 
-def _wait_exit(proc: subprocess.Popen[bytes], timeout: float) -> bool:
-    """Whether ``proc`` ended within ``timeout`` seconds, waited for in one poll of a
-    pidfd (or of its stdout pipe, which reaches end-of-file when it exits): no clock,
-    no sleep loop."""
-    pidfd = -1
-    if _pidfd_open is not None:
-        try:
-            pidfd = _pidfd_open(proc.pid)
-        except OSError:
-            pidfd = -1
+# Watchdogs stopped without waiting: reaped once they have ended, at the next start or
+# stop of a session in this process (pytester's in-process sessions).
+_unreaped: list[WatchdogHandle] = []
+
+
+def reap_stopped() -> None:
+    """Reap the watchdogs stopped without waiting that have ended since."""
+    _unreaped[:] = [handle for handle in _unreaped if not handle._reap(block=False)]
+
+
+def _inheritable_fds(keep: set[int]) -> list[int]:
+    """This process's inheritable descriptors other than ``keep``: closed in the
+    watchdog as Popen's ``close_fds`` would (a test's pipe must not stay open in it)."""
     try:
-        if pidfd >= 0:
-            return bool(_select([pidfd], [], [], timeout)[0])
-        if proc.stdout is None:
-            return proc.poll() is not None
-        fd = proc.stdout.fileno()
-        while _select([fd], [], [], timeout)[0]:
-            if not os.read(fd, 4096):
-                return True  # end-of-file: the watchdog has closed it on exit
-        return False
-    finally:
-        if pidfd >= 0:
-            os.close(pidfd)
-
-
-def _end(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            _kill(proc.pid, signal.SIGKILL)
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        fd = int(name)
+        if fd in keep:
+            continue
+        with contextlib.suppress(OSError):
+            if os.get_inheritable(fd):
+                found.append(fd)
+    return found
 
 
 def start(
@@ -145,57 +187,95 @@ def start(
     report: str | None,
     session: dict[str, Any],
     kill_after: float = 1.0,
-    timeout: float = 30.0,
     dump_signal: int = 0,
     junit_xml: str | None = None,
     trace: bool = False,
 ) -> WatchdogHandle:
-    """Start a watchdog for this process's session; returns once it accepts clients."""
+    """Start a watchdog for this process's session, without waiting for it.
+
+    The session's socket is bound and listening before the watchdog process starts
+    (it inherits the socket, as socket activation does): a process may connect at once,
+    and its connection waits in the backlog until the watchdog accepts it. A watchdog
+    that never comes up closes the socket by exiting, and its clients read end-of-file.
+    """
+    reap_stopped()
+    if _posix_spawn is None:
+        raise WatchdogError("this platform has no posix_spawn")
     sweep_stale(_session_root_dir())
     directory = tempfile.mkdtemp(prefix="pytest-elastic-timer-", dir=_session_root_dir())
     os.chmod(directory, 0o700)
+    address = os.path.join(directory, SOCKET_NAME)
     # The folder that holds the package: pytest_elastic_timer/plugin/launcher.py, two up.
     package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ)
     env.pop(client.ENV_ADDRESS, None)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH", "")) if p)
-    argv = [
-        sys.executable,
-        "-m",
-        "pytest_elastic_timer.watchdog",
-        "--dir",
-        directory,
-        "--root-pid",
-        str(os.getpid()),
-        "--grace",
-        repr(grace),
-        "--kill-after",
-        repr(kill_after),
-        "--scale",
-        repr(scale),
-        "--session",
-        json.dumps(session),
-    ]
-    if report:
-        argv += ["--report", os.path.abspath(report)]
-    if dump_signal:
-        argv += ["--dump-signal", str(dump_signal)]
-    if junit_xml:
-        argv += ["--junit-xml", os.path.abspath(junit_xml)]
-    if trace:
-        argv.append("--trace")
-    proc = _Popen(argv, stdin=_PIPE, stdout=_PIPE, env=env, close_fds=True)
-    assert proc.stdout is not None
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        ready = sel.select(timeout)
-    line = proc.stdout.readline().decode(errors="replace").split() if ready else []
-    if len(line) != 3 or line[0] != "ready":
-        _end(proc)
-        proc.wait()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as listener:
+            listener.bind(address)
+            os.chmod(address, 0o600)
+            listener.listen(LISTEN_BACKLOG)
+            argv = [
+                sys.executable,
+                "-m",
+                "pytest_elastic_timer.watchdog",
+                "--dir",
+                directory,
+                "--root-pid",
+                str(os.getpid()),
+                "--grace",
+                repr(grace),
+                "--kill-after",
+                repr(kill_after),
+                "--scale",
+                repr(scale),
+                "--session",
+                json.dumps(session),
+                "--listen-fd",
+                str(listener.fileno()),
+            ]
+            if report:
+                argv += ["--report", os.path.abspath(report)]
+            if dump_signal:
+                argv += ["--dump-signal", str(dump_signal)]
+            if junit_xml:
+                argv += ["--junit-xml", os.path.abspath(junit_xml)]
+            if trace:
+                argv.append("--trace")
+            pid, control = _spawn(argv, env, listener.fileno())
+    except BaseException:
         shutil.rmtree(directory, ignore_errors=True)
-        raise WatchdogError(f"the watchdog did not start (it said {line!r})")
-    return WatchdogHandle(proc, line[2], directory)
+        raise
+    pidfd = -1
+    if _pidfd_open is not None:
+        with contextlib.suppress(OSError):
+            pidfd = _pidfd_open(pid)
+    return WatchdogHandle(pid, address, directory, control, pidfd)
+
+
+def _spawn(argv: list[str], env: dict[str, str], listen_fd: int) -> tuple[int, int]:
+    """Start ``argv`` with a pipe as stdin (its write end returned), stdout to
+    /dev/null and ``listen_fd`` inherited; its pid and the pipe's write end."""
+    assert _posix_spawn is not None
+    read_end, write_end = os.pipe()
+    try:
+        os.set_inheritable(listen_fd, True)
+        actions: list[tuple[Any, ...]] = [
+            (os.POSIX_SPAWN_DUP2, read_end, 0),
+            (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
+        ]
+        actions += [(os.POSIX_SPAWN_CLOSE, fd) for fd in _inheritable_fds({0, 1, 2, listen_fd})]
+        # As Popen's restore_signals: Python ignores these, a new program should not.
+        defaults = [
+            getattr(signal, name) for name in ("SIGPIPE", "SIGXFSZ") if hasattr(signal, name)
+        ]
+        pid = _posix_spawn(argv[0], argv, env, file_actions=actions, setsigdef=defaults)
+    except BaseException:
+        os.close(write_end)
+        raise
+    finally:
+        os.close(read_end)
+    return pid, write_end
 
 
 @dataclass

@@ -5,6 +5,7 @@ that keeps child processes in the session, the session's own budget
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from typing import Any
 
@@ -34,7 +35,10 @@ def session_facts(config: pytest.Config, state: SessionState) -> dict[str, Any]:
 
 def start_watchdog(config: pytest.Config, state: SessionState) -> None:
     """Start the session's watchdog and export where it is to every child process; a
-    watchdog that cannot start leaves scopes enforced in-process, with a warning."""
+    watchdog that cannot start leaves scopes enforced in-process, with a warning.
+
+    Nothing waits for the watchdog to come up: its socket listens already. One that
+    never comes up is noticed by the clients, as end-of-file on their connections."""
     settings = state.settings
     try:
         handle = launcher.start(
@@ -46,7 +50,7 @@ def start_watchdog(config: pytest.Config, state: SessionState) -> None:
             junit_xml=config.getoption("xmlpath", None),
             trace=bool(settings.trace),
         )
-    except (launcher.WatchdogError, OSError) as exc:
+    except (launcher.WatchdogError, OSError) as exc:  # spawning it failed
         config.issue_config_time_warning(
             pytest.PytestWarning(
                 f"pytest-elastic-timer: {exc}; scopes are enforced in-process only"
@@ -61,13 +65,38 @@ def start_watchdog(config: pytest.Config, state: SessionState) -> None:
     for name, value in (
         (client.ENV_ADDRESS, handle.address),
         (client.ENV_SCALE, repr(settings.scale)),
+        (client.ENV_TRACE, "1" if settings.trace else None),
         (startup.ENV_DUMP_SIGNAL, str(startup.session_dump_signal())),
         (startup.ENV_TORCH_TIMER_FILE, os.path.join(handle.directory, startup.TORCH_TIMER_FIFO)),
         ("PYTHONPATH", python_path),
     ):
         state.previous_env[name] = os.environ.get(name)
-        os.environ[name] = value
+        if value is None:
+            os.environ.pop(name, None)  # not inherited from an outer session either
+        else:
+            os.environ[name] = value
     state.put_back_scopes = scopes.set_aside()
+
+
+def stop_watchdog(config: pytest.Config, state: SessionState, end: dict[str, Any]) -> None:
+    """Stop the session's watchdog; wait for it only where something must be read back
+    or nothing would be left to reap it."""
+    assert state.watchdog is not None
+    wait = (
+        # Files the user reads after pytest: the JSON report, and the JUnit file, which
+        # is the watchdog's only if pytest died (waited for all the same).
+        bool(state.settings.report or config.getoption("xmlpath", None))
+        # A session run in-process inside another pytest (pytester) leaves that
+        # process as it found it: no child to reap later, no pidfd open.
+        or _inside_another_pytest()
+    )
+    state.watchdog.stop(end, wait=wait)
+
+
+def _inside_another_pytest() -> bool:
+    """Whether this session may run in-process inside another (pytester is loaded in
+    this process; a session that is not inside one pays only the wait)."""
+    return "_pytest.pytester" in sys.modules
 
 
 def restore_environment(state: SessionState) -> None:
@@ -125,8 +154,12 @@ def _end_session(state: SessionState, exc: ScopeExpired) -> BaseException:
 def watchdog_lost(item: pytest.Item) -> None:
     """Say it loudly: from here on hung C calls and spawned processes go unchecked."""
     state = item.config.stash[SESSION]
+    process = scopes.process_state()
+    pid = state.watchdog.pid if state.watchdog else process.watchdog_pid
+    # No answer to the hello ever came: the watchdog ended before it served anyone.
+    how = "died" if process.welcomed else "did not start, or ended,"
     state.lost_watchdog = (
-        f"the watchdog (pid {scopes.process_state().watchdog_pid}) died before "
+        f"the watchdog (pid {pid}) {how} before "
         f"{item.nodeid}; scopes are enforced in-process from then on (no stack dumps, "
         "no termination of hung processes)"
     )

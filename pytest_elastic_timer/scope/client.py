@@ -32,7 +32,12 @@ from pytest_elastic_timer.core import table as tbl
 from pytest_elastic_timer.scope import ranklabel
 
 ENV_ADDRESS = "PYTEST_ELASTIC_TIMER"
-ENV_SCALE = "PYTEST_ELASTIC_TIMER_SCALE"  # scale factor where no watchdog tells it
+ENV_SCALE = "PYTEST_ELASTIC_TIMER_SCALE"  # the session's scale factor
+ENV_TRACE = "PYTEST_ELASTIC_TIMER_TRACE"  # "1": the session writes a trace timeline
+
+# How long a process waits for the watchdog's answer to its hello where it needs it: as
+# long as a loaded machine may take to start the watchdog's interpreter.
+WELCOME_TIMEOUT = 30.0
 
 SignalHandler = Callable[[int, FrameType | None], Any]
 # Where a scope is entered, as ProcessState.lookup_entry finds it: (code or explicit
@@ -110,7 +115,11 @@ class ProcessState:
         self.sentinel: Sentinel | None = None
         self.scale = scale_from_env()
         self.grace = 2.0
-        self.watchdog_pid = 0
+        self._watchdog_pid = 0
+        # The watchdog's answer to our hello is read only where something needs it
+        # (a request, its pid, a look whether it is still there): connecting never
+        # waits for the watchdog, which may still be starting.
+        self.welcomed = False
         # Free slots. A deque: a list that a loop's one scope empties and fills again
         # is shrunk and grown (a realloc each way) by every scope.
         self.free: deque[int] = deque()
@@ -204,21 +213,69 @@ class ProcessState:
             dump_path = os.path.join(directory, f"dump-{self.pid}-{uuid.uuid4().hex[:8]}")
             self.dump = startup.register_dump(self.dump_sig, dump_path)
         sock.sendall(wire.encode("hello", pid=self.pid, table=path, dump=dump_path))
-        op, fields = wire.decode(sock.recv(wire.MAX_MESSAGE))
-        if op != "welcome":
-            raise wire.BadMessage(f"watchdog answered {op!r}: {fields.get('error', '')}")
-        self.scale = float(fields.get("scale", 1.0))
-        self.grace = float(fields.get("grace", 2.0))
-        if fields.get("trace"):
-            self.trace = []
-            self.trace_path = os.path.join(directory, f"trace-{self.pid}-{uuid.uuid4().hex[:8]}")
-            atexit.register(self.flush_trace)
-        self.watchdog_pid = int(fields.get("pid", 0))
         sock.settimeout(None)
+        if os.environ.get(ENV_TRACE) == "1":
+            self._start_trace(directory)
         # Closed at exit, so that a process that never calls close() (a child, an
         # xdist worker) is not warned about an unclosed socket.
         atexit.register(self._close_socket)
         return table
+
+    def _start_trace(self, directory: str) -> None:
+        self.trace = []
+        self.trace_path = os.path.join(directory, f"trace-{self.pid}-{uuid.uuid4().hex[:8]}")
+        atexit.register(self.flush_trace)
+
+    def welcome(self, wait: bool = True) -> None:
+        """Read the watchdog's answer to this process's hello, once: ``welcome``, or
+        ``refused`` or end-of-file (a watchdog that refused the process, died or never
+        started), after which scopes are enforced in-process. Without ``wait``, only an
+        answer that has arrived already is read."""
+        sock = self.sock
+        if self.welcomed or sock is None:
+            return
+        try:
+            if wait:
+                sock.settimeout(WELCOME_TIMEOUT)
+                data = sock.recv(wire.MAX_MESSAGE)
+            else:
+                data = sock.recv(wire.MAX_MESSAGE, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return  # not yet: the watchdog is still starting
+        except OSError as exc:
+            self._lose(str(exc) or type(exc).__name__)
+            return
+        finally:
+            if self.sock is not None and wait:
+                self.sock.settimeout(None)
+        if not data:
+            self._lose("the watchdog closed its connection")
+            return
+        try:
+            op, fields = wire.decode(data)
+        except wire.BadMessage as exc:
+            self._lose(f"the watchdog said {exc}")
+            return
+        if op != "welcome":
+            self._lose(f"the watchdog answered {op!r}: {fields.get('error', '')}")
+            return
+        self.welcomed = True
+        self.grace = float(fields.get("grace", self.grace))
+        self._watchdog_pid = int(fields.get("pid", 0))
+        if fields.get("trace") and self.trace is None and self.address:
+            self._start_trace(os.path.dirname(self.address))
+
+    def answered(self) -> bool:
+        """Whether the watchdog has answered this process's hello (read if it has
+        arrived; never waits)."""
+        self.welcome(wait=False)
+        return self.welcomed
+
+    @property
+    def watchdog_pid(self) -> int:
+        """The watchdog's pid, from its answer to our hello (0 without a watchdog)."""
+        self.welcome()
+        return self._watchdog_pid
 
     def close(self) -> None:
         """Detach from the watchdog (or stop the sentinel); scopes open now are lost.
@@ -407,12 +464,21 @@ class ProcessState:
     def notify(self, deadline: float) -> None:
         """Tell the enforcer to wake at ``deadline``, earlier than it promised."""
         self.armed[tbl.H_ARMED] = deadline
+        if self.sentinel is None and not self.welcomed:
+            # A deadline needs an enforcer known to be there: the process's first one
+            # waits for the watchdog's answer to its hello (the watchdog may still be
+            # starting). One that never comes up, or refuses us, leaves the sentinel.
+            self.welcome()
         if self.sentinel is not None:
             self.sentinel.wake()
         else:
             self.send("wake", at=deadline)
 
     def send(self, op: str, **fields: Any) -> None:
+        if not self.welcomed:
+            # A refusal (or a watchdog that never came) is learnt here at the latest,
+            # and this message then goes to the in-process sentinel instead.
+            self.welcome(wait=False)
         sock = self.sock
         if sock is None:
             return
@@ -425,13 +491,19 @@ class ProcessState:
         """Whether the watchdog still holds our connection (a non-blocking peek, at
         most once per ``every`` seconds). When it is gone, scopes are enforced
         in-process from now on."""
-        sock = self.sock
-        if sock is None:
+        if self.sock is None:
             return False
         now = _monotonic()
         if now - self.alive_checked < every:
             return True
         self.alive_checked = now  # also read by the plugin, to call this less often
+        self.welcome(wait=False)  # a refusal or end-of-file before the answer, too
+        return self._still_connected()
+
+    def _still_connected(self) -> bool:
+        sock = self.sock
+        if sock is None:
+            return False
         try:
             data = sock.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK)
         except BlockingIOError:
@@ -451,6 +523,7 @@ class ProcessState:
 
     def request(self, op: str, **fields: Any) -> dict[str, Any]:
         """Send ``op`` and wait for the watchdog's answer (used by the plugin only)."""
+        self.welcome()
         sock = self.sock
         if sock is None:
             return {}

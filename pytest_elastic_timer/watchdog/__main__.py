@@ -4,7 +4,9 @@ The wiring: :func:`build` makes the :class:`~.server.Watchdog` and plugs its int
 in (the torch file-timer FIFO, the synchronization primitives, the JUnit file written
 if pytest dies first); :func:`main` parses the launcher's arguments, sets up the
 process's signals, says ``ready <pid> <address>`` on stdout and serves until the
-session ends. This is the only module that knows both the watchdog and its intakes.
+session ends. The plugin hands it the session's socket already listening
+(``--listen-fd``), so that nobody waits for this process to start; without one, it
+binds the socket itself. This is the only module that knows both the watchdog and its intakes.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -117,14 +120,29 @@ def main(argv: list[str] | None = None) -> int:
         "ends with their gateways (watchdog/remote_host.py); records name this host",
     )
     parser.add_argument("--linger", type=float, default=remote_host.DEFAULT_LINGER)
+    parser.add_argument(
+        "--listen-fd",
+        type=int,
+        default=-1,
+        help="the session's socket, bound and listening already (inherited)",
+    )
     args = parser.parse_args(argv)
     # Ctrl-C reaches the whole process group; pytest decides how the session ends.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_terminate)
     signal.signal(signal.SIGHUP, _on_terminate)
+    listener = None
+    if args.listen_fd >= 0:
+        listener = socket.socket(fileno=args.listen_fd)
     root = proctree.ProcessId.of(args.root_pid)
+    if root is None and args.host_name is not None:
+        return 1  # the worker that starts a host's watchdog waits for it
     if root is None:
-        return 1
+        # pytest ended before this process got here (it does not wait for the watchdog
+        # to start). Its session still gets the report and loses its directory: the
+        # control pipe is at end-of-file, so the watchdog finishes at once. An identity
+        # no process has: nothing is vouched for as a descendant of it.
+        root = proctree.ProcessId(args.root_pid, -1.0)
     dog = build(
         args.dir,
         root=root,
@@ -141,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         linger=args.linger,
         dump_signal=args.dump_signal,
         trace=args.trace,
+        listener=listener,
     ).dog
     sys.stdout.write(f"ready {os.getpid()} {dog.address}\n")
     sys.stdout.flush()

@@ -20,6 +20,8 @@ from pytest_elastic_timer.watchdog.loop import Loop
 
 Dispatch = Callable[[socket.socket, int, str, dict[str, Any]], None]
 # What a handler may raise about a message: it is then dropped and counted.
+# Connections of processes that started before the watchdog accepts wait in the backlog.
+LISTEN_BACKLOG = 128
 BAD_MESSAGE = (wire.BadMessage, ValueError, TypeError, KeyError, OSError, RecursionError)
 
 
@@ -35,6 +37,7 @@ class Connections:
         dispatch: Dispatch,
         drop: Callable[[], None],
         closed: Callable[[socket.socket, int], None],
+        listener: socket.socket | None = None,
     ) -> None:
         self.address = address
         self.loop = loop
@@ -43,10 +46,14 @@ class Connections:
         self.drop = drop
         self.closed = closed  # (conn, peer pid) of every connection that ended
         self.peers: dict[socket.socket, int] = {}  # open connection -> its peer's pid
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.listener.bind(address)
-        os.chmod(address, 0o600)
-        self.listener.listen(128)
+        if listener is None:
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            listener.bind(address)
+            os.chmod(address, 0o600)
+            listener.listen(LISTEN_BACKLOG)
+        # else: bound and listening already, handed over by the plugin (as socket
+        # activation does), so that clients could connect before this process ran.
+        self.listener = listener
         self.listener.setblocking(False)
         loop.add_reader(self.listener, self._accept)
 

@@ -70,6 +70,7 @@ class Watchdog:
         dump_signal: int = 0,
         trace: bool = False,
         clock: Clock = time.monotonic,
+        listener: socket.socket | None = None,
     ) -> None:
         self.directory = directory
         self.address = os.path.join(directory, SOCKET_NAME)
@@ -108,6 +109,7 @@ class Watchdog:
             dispatch=self._dispatch,
             drop=self.drop,
             closed=self._disconnected,
+            listener=listener,
         )
         self.control = control
         self._control_buffer = b""

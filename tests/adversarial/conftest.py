@@ -92,6 +92,9 @@ class Dog:
         self.directory = self.handle.directory
         self.address = self.handle.address
         self.fifo = os.path.join(self.directory, file_timer.FIFO_NAME)
+        # The launcher does not wait for the watchdog to come up; these tests look at
+        # what it makes (the FIFO is made before it serves).
+        wait_for(lambda: os.path.exists(self.fifo), 60, "the watchdog's FIFO")
         self.env = session_env(self.address, self.directory)
         root = proctree.ProcessId.of(os.getpid())
         assert root is not None
