@@ -513,3 +513,49 @@ def test_leak_warning_as_error_fails_the_teardown(pytester: pytest.Pytester) -> 
     finally:
         if not wait_gone(pid, 0):
             reap(pid)
+
+
+INTERRUPTED_SPAWN = """
+import multiprocessing
+import os
+import time
+
+import pytest
+
+
+def _rank(path):
+    with open(path + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.rename(path + ".tmp", path)
+    time.sleep(3600)
+
+
+@pytest.mark.expires(1)
+def test_join_cut_short():
+    path = os.path.abspath("rank.pid")
+    rank = multiprocessing.get_context("spawn").Process(target=_rank, args=(path,))
+    rank.start()
+    rank.join()  # never returns: the deadline interrupts it
+"""
+
+
+def test_processes_of_a_test_the_plugin_interrupted_are_ended_under_warn(
+    pytester: pytest.Pytester,
+) -> None:
+    """Under the default ``warn``, a test cut short by its deadline still leaves nothing:
+    its join was interrupted by the plugin, so the plugin ends what it started (a
+    multiprocessing child left running would keep pytest from exiting)."""
+    pytester.makepyfile(test_spawn=INTERRUPTED_SPAWN)
+    session = run(pytester, "-rA")
+    pid = int((pytester.path / "rank.pid").read_text())
+    try:
+        session.assert_clean()
+        session.result.assert_outcomes(failed=1)
+        text = " ".join(session.stdout.split())
+        assert "test_spawn.py::test_join_cut_short left 1 process(es) running" in text
+        assert f"(ended): {pid} (" in text, session.stdout
+        assert wait_gone(pid, 5.0), "the interrupted test's child is still running"
+        assert session.seconds < 30, session.seconds  # pytest did not wait for the child
+    finally:
+        if not wait_gone(pid, 0):
+            reap(pid)

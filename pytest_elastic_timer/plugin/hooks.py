@@ -61,8 +61,14 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     state = SessionState(settings, book, rootdir=str(config.rootpath))
     config.stash[SESSION] = state
-    # A scope that expires in this process (in a test or beside it) is a failure.
-    state.expiry_listener = lambda: watch_failures(config)
+
+    # A scope that expires in this process (in a test or beside it) is a failure, and
+    # the test it cut short leaves no processes behind.
+    def on_expiry() -> None:
+        running.note_expiry()
+        watch_failures(config)
+
+    state.expiry_listener = on_expiry
     scopes.expiry_listeners.append(state.expiry_listener)
     manager = config.pluginmanager
     if manager.hasplugin("xdist"):

@@ -49,6 +49,9 @@ class RunningTest:
         self.tracing = self.process.trace is not None
         self.started = 0.0  # when the phase began, for the trace timeline (when tracing)
         self.when = ""
+        # A scope of this process expired during the test: its run was cut short by
+        # the plugin, so the processes it leaves are ended even under "warn".
+        self.interrupted = False
 
     def switch(self, when: str, *, named: bool = True) -> None:
         """The phase ``when`` begins (once): the phase before it is traced, the table
@@ -111,13 +114,17 @@ class RunningTest:
         if not new:
             return
         mode = state.settings.leaks
-        left = leaks.end_leaks(new) if mode == "kill" else leaks.describe_running(new)
+        # A test the plugin interrupted did not get to stop what it started (an
+        # mp.spawn whose join was cut short would keep pytest from exiting): the
+        # interruption is the plugin's, and so is the clean-up.
+        end = mode == "kill" or self.interrupted
+        left = leaks.end_leaks(new) if end else leaks.describe_running(new)
         if left:
             names = ", ".join(
                 f"{p['pid']} ({' '.join(str(p['cmdline']).split())[:80] or p['name']})"
                 for p in left
             )
-            done = "ended" if mode == "kill" else "still running"
+            done = "ended" if end else "still running"
             warnings.warn(
                 pytest.PytestWarning(
                     f"{self.nodeid} left {len(left)} process(es) running after its teardown "
@@ -131,6 +138,12 @@ class RunningTest:
 # in-process (pytester), whose tests run inside its call phase. Per process, not per
 # session, for that reason.
 _running: list[RunningTest] = []
+
+
+def note_expiry() -> None:
+    """A scope of this process expired: the innermost running test was interrupted."""
+    if _running:
+        _running[-1].interrupted = True
 
 
 def current(item: pytest.Item) -> RunningTest | None:

@@ -559,6 +559,11 @@ def leave_test_phase(scope: TimerRequest, exc: BaseException | None) -> None:
         or (exc is None and not scope._cancelled and monotonic() > scope._deadline)
     ):
         scope.__exit__(None if exc is None else type(exc), exc, None)
+        if exc is None and scope._delivered:
+            # The phase's ScopeExpired was caught by the code under test and the phase
+            # went on (it is a TimeoutError, so a library's ``except OSError`` around a
+            # wait swallows it): the phase still overran its budget, so it fails.
+            raise _overrun(scope)
         return
     scope._state = None
     stack.pop()
@@ -651,6 +656,14 @@ def _budget_of(scope: TimerRequest) -> float:
     """The scope's budget as entered, moved by reschedule() or extend() since."""
     budget = scope._deadline - scope._start
     return round(budget, 3) if budget < _INF else 0.0  # as the watchdog's records say
+
+
+def _overrun(scope: TimerRequest) -> ScopeExpired:
+    """The exception for a scope whose interrupt was delivered and swallowed."""
+    label = _state.label if _state is not None else ""
+    elapsed = monotonic() - scope._start
+    budget = _budget_of(scope)
+    return ScopeExpired(scope.path, budget, elapsed, os.getpid(), "interrupted", scope.site, label)
 
 
 def _report(
