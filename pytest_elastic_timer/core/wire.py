@@ -20,7 +20,7 @@ class BadMessage(ValueError):
     """A datagram that is not a well-formed message."""
 
 
-def encode(op: str, **fields: Any) -> bytes:
+def encode(op: str, /, **fields: Any) -> bytes:
     data = json.dumps([op, fields], separators=(",", ":")).encode()
     if len(data) > MAX_MESSAGE:
         raise BadMessage(f"message {op!r} is {len(data)} bytes, over {MAX_MESSAGE}")

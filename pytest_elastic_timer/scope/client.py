@@ -474,7 +474,7 @@ class ProcessState:
         else:
             self.send("wake", at=deadline)
 
-    def send(self, op: str, **fields: Any) -> None:
+    def send(self, op: str, /, **fields: Any) -> None:
         if not self.welcomed:
             # A refusal (or a watchdog that never came) is learnt here at the latest,
             # and this message then goes to the in-process sentinel instead.

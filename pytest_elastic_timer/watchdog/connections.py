@@ -57,7 +57,7 @@ class Connections:
         self.listener.setblocking(False)
         loop.add_reader(self.listener, self._accept)
 
-    def send(self, conn: socket.socket, op: str, **fields: Any) -> None:
+    def send(self, conn: socket.socket, op: str, /, **fields: Any) -> None:
         """Send one message on ``conn``; a peer that went away is no error."""
         with contextlib.suppress(OSError):
             conn.send(wire.encode(op, **fields))

@@ -61,7 +61,7 @@ class Host(Protocol):
         """Run ``callback()`` once the clock reaches ``when``, on the watchdog's loop."""
         ...
 
-    def send(self, conn: socket.socket, op: str, **fields: Any) -> None:
+    def send(self, conn: socket.socket, op: str, /, **fields: Any) -> None:
         """Answer on ``conn``; a peer that went away is no error."""
         ...
 

@@ -154,7 +154,7 @@ class Watchdog:
     def call_at(self, when: float, callback: Callable[[], None]) -> None:
         self.loop.call_at(when, callback)
 
-    def send(self, conn: socket.socket, op: str, **fields: Any) -> None:
+    def send(self, conn: socket.socket, op: str, /, **fields: Any) -> None:
         self.connections.send(conn, op, **fields)
 
     def drop(self) -> None:
