@@ -205,30 +205,14 @@ def start(
     directory = tempfile.mkdtemp(prefix="pytest-elastic-timer-", dir=_session_root_dir())
     os.chmod(directory, 0o700)
     address = os.path.join(directory, SOCKET_NAME)
-    # The folder that holds the package: pytest_elastic_timer/plugin/launcher.py, two up.
-    package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ)
-    env.pop(client.ENV_ADDRESS, None)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH", "")) if p)
+    env = _watchdog_env()
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as listener:
             listener.bind(address)
             os.chmod(address, 0o600)
             listener.listen(LISTEN_BACKLOG)
             argv = [
-                sys.executable,
-                "-m",
-                "pytest_elastic_timer.watchdog",
-                "--dir",
-                directory,
-                "--root-pid",
-                str(os.getpid()),
-                "--grace",
-                repr(grace),
-                "--kill-after",
-                repr(kill_after),
-                "--scale",
-                repr(scale),
+                *_watchdog_argv(directory, grace, kill_after, scale),
                 "--session",
                 json.dumps(session),
                 "--listen-fd",
@@ -338,23 +322,21 @@ def join_host(
         os.close(lock)
 
 
-def _spawn_host_watchdog(
-    directory: str,
-    hostname: str,
-    grace: float,
-    scale: float,
-    kill_after: float,
-    dump_signal: int,
-    timeout: float,
-) -> None:
-    """Start this host's watchdog in a session of its own: it outlives the worker that
-    started it (the watchdog may have to end that very worker), and no Popen object of
-    it is left in the worker to warn about a child still running at exit."""
+def _watchdog_env() -> dict[str, str]:
+    """The environment of a watchdog process: this one's, without a session to join,
+    with the package importable from where it lies."""
+    # The folder that holds the package: pytest_elastic_timer/plugin/launcher.py, two up.
     package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ)
     env.pop(client.ENV_ADDRESS, None)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH", "")) if p)
-    argv = [
+    return env
+
+
+def _watchdog_argv(directory: str, grace: float, kill_after: float, scale: float) -> list[str]:
+    """The command line every watchdog starts with: its directory, the pytest process
+    it serves, and the session's grace, kill delay and scale."""
+    return [
         sys.executable,
         "-m",
         "pytest_elastic_timer.watchdog",
@@ -368,6 +350,24 @@ def _spawn_host_watchdog(
         repr(kill_after),
         "--scale",
         repr(scale),
+    ]
+
+
+def _spawn_host_watchdog(
+    directory: str,
+    hostname: str,
+    grace: float,
+    scale: float,
+    kill_after: float,
+    dump_signal: int,
+    timeout: float,
+) -> None:
+    """Start this host's watchdog in a session of its own: it outlives the worker that
+    started it (the watchdog may have to end that very worker), and no Popen object of
+    it is left in the worker to warn about a child still running at exit."""
+    env = _watchdog_env()
+    argv = [
+        *_watchdog_argv(directory, grace, kill_after, scale),
         "--host-name",
         hostname,
         "--session",
