@@ -318,7 +318,10 @@ def test_a_socket_gateway_takes_the_same_path(
         session = run(
             pytester,
             *XDIST,
-            GRACE,
+            # A grace no loaded machine outlasts: the sleep must end by its interrupt,
+            # since a worker ended on its host takes execnet's socket server with it
+            # and xdist then cannot replace the worker.
+            "--elastic-timer-grace=10",
             "--tx",
             spec,
             f"--rsyncdir={project}",
