@@ -458,3 +458,38 @@ def test_the_leak_check_leaves_an_inner_sessions_watchdog_alone(
         time.sleep(0.05)
     session = json.loads(report.read_text(encoding="utf-8"))["session"]
     assert session["root_died"] is True
+
+
+SESSION_COUNTING_CONFTEST = """
+from pytest_elastic_timer.plugin import lifecycle
+
+
+def pytest_configure(config):
+    print(f"ends with its process: {lifecycle.ends_with_its_process()}")
+"""
+
+RUNS_AN_INNER_SESSION = """
+import pathlib
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+
+def test_inner(pytester):
+    pytester.makeconftest((pathlib.Path(__file__).parent / "conftest.py").read_text())
+    pytester.makepyfile(test_one="def test_one():\\n    pass\\n")
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-s")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["ends with its process: False"])
+"""
+
+
+def test_only_the_outermost_session_ends_with_its_process(pytester: pytest.Pytester) -> None:
+    """The command line's session need not wait for its watchdog's end (the process
+    exits); a session run in-process by a test waits, to leave no child behind."""
+    pytester.makeconftest(SESSION_COUNTING_CONFTEST)
+    pytester.makepyfile(test_outer=RUNS_AN_INNER_SESSION)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-s")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["ends with its process: True"])

@@ -59,7 +59,12 @@ def pytest_configure(config: pytest.Config) -> None:
         settings.scale,
         on_phased=lambda: running.need_phase_budgets(config),
     )
-    state = SessionState(settings, book, rootdir=str(config.rootpath))
+    state = SessionState(
+        settings,
+        book,
+        rootdir=str(config.rootpath),
+        ends_with_its_process=lifecycle.ends_with_its_process(),
+    )
     config.stash[SESSION] = state
 
     # A scope that expires in this process (in a test or beside it) is a failure, and

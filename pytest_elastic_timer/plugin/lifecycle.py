@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from types import FrameType
 from typing import Any
 
 import pytest
@@ -88,15 +89,29 @@ def stop_watchdog(config: pytest.Config, state: SessionState, end: dict[str, Any
         bool(state.settings.report or config.getoption("xmlpath", None))
         # A session run in-process inside another pytest (pytester) leaves that
         # process as it found it: no child to reap later, no pidfd open.
-        or _inside_another_pytest()
+        or not state.ends_with_its_process
     )
     state.watchdog.stop(end, wait=wait)
 
 
-def _inside_another_pytest() -> bool:
-    """Whether this session may run in-process inside another (pytester is loaded in
-    this process; a session that is not inside one pays only the wait)."""
-    return "_pytest.pytester" in sys.modules
+def ends_with_its_process() -> bool:
+    """Whether this session is the only one on the stack, so its process is not a
+    session's that goes on after it (pytester's in-process runs, ``pytest.main`` in a
+    test): that one is left as this session found it, with no child to reap later.
+
+    Sessions are counted by pytest's own ``wrap_session`` frames: every way to start a
+    session in-process passes through it, on every pytest this plugin supports."""
+    frame: FrameType | None = sys._getframe(1)
+    sessions = 0
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "wrap_session" and code.co_filename.endswith(_PYTEST_MAIN):
+            sessions += 1
+        frame = frame.f_back
+    return sessions <= 1
+
+
+_PYTEST_MAIN = os.path.join("_pytest", "main.py")
 
 
 def restore_environment(state: SessionState) -> None:

@@ -27,6 +27,8 @@ class SessionState:
     rootdir: str = ""
     watchdog: launcher.WatchdogHandle | None = None
     previous_env: dict[str, str | None] = field(default_factory=dict)
+    # The command line's own session: its process ends with it (see lifecycle).
+    ends_with_its_process: bool = False
     session_scope: TimerRequest | None = None
     session: pytest.Session | None = None
     lost_watchdog: str = ""  # why and when the watchdog went away mid-session
