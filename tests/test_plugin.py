@@ -1025,6 +1025,82 @@ def test_a_watchdog_that_never_starts_leaves_scopes_in_process(
     assert session.result.ret == pytest.ExitCode.TESTS_FAILED
 
 
+GATED_WATCHDOG_SITE = """
+import os, sys, time
+if "pytest_elastic_timer.watchdog" in sys.orig_argv:
+    gate = os.environ["WATCHDOG_GATE"]
+    give_up = time.monotonic() + 60
+    while not os.path.exists(gate) and time.monotonic() < give_up:
+        time.sleep(0.01)  # a watchdog that starts as late as the test says
+"""
+
+
+def _gated_watchdog(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The inner session's watchdog comes up only once the returned file exists."""
+    site = pytester.mkdir("site")
+    (site / "sitecustomize.py").write_text(GATED_WATCHDOG_SITE)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    gate = pytester.path / "gate"
+    monkeypatch.setenv("WATCHDOG_GATE", str(gate))
+    return gate
+
+
+def _watchdog_pid(result: pytest.RunResult) -> int:
+    (pid,) = [int(m.group(1)) for m in map(HEADER.match, result.outlines) if m]
+    return pid
+
+
+def test_a_session_never_waits_for_its_watchdog_to_come_up(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A watchdog still starting holds nothing up: the session's tests, their scopes
+    and its end all pass while it is not up, and once it is, it reads the stop the
+    session left it and ends."""
+    gate = _gated_watchdog(pytester, monkeypatch)
+    pytester.makepyfile(
+        test_quick="""
+        import pytest
+        import pytest_elastic_timer as et
+
+        @pytest.mark.expires(30)
+        def test_quick():
+            with et.expires(30, scope="step"):
+                pass
+        """
+    )
+    result = pytester.runpytest_subprocess(*LEAN)
+    result.assert_outcomes(passed=1)
+    watchdog = _watchdog_pid(result)
+    assert not gate.exists()  # the whole session ran before the watchdog came up
+    assert psutil.pid_exists(watchdog)
+    gate.touch()
+    assert wait_gone(watchdog, 30.0), "the watchdog did not end once it came up"
+
+
+def test_a_watchdog_that_comes_up_late_enforces_earlier_deadlines(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scope entered before the watchdog came up is in the table it reads once up:
+    an overrun is interrupted and reported like any other."""
+    gate = _gated_watchdog(pytester, monkeypatch)
+    pytester.makepyfile(
+        test_hang=f"""
+        import time
+        import pytest_elastic_timer as et
+
+        def test_hang():
+            with et.expires(0.5, scope="hang"):
+                open({str(gate)!r}, "w").close()
+                time.sleep(30)
+        """
+    )
+    session = run(pytester)
+    session.result.assert_outcomes(failed=1)
+    session.assert_expired("test_hang", "test_hang::call/hang", 0.5)
+    assert "in-process" not in session.text
+    session.assert_clean()
+
+
 def test_a_session_with_nothing_to_read_back_does_not_wait_for_its_watchdog() -> None:
     """Stopping a watchdog sends the stop command and returns: without a report to read
     back nothing waits for it. It ends by itself (its socket was listening before it

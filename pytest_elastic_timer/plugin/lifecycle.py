@@ -38,8 +38,10 @@ def start_watchdog(config: pytest.Config, state: SessionState) -> None:
     """Start the session's watchdog and export where it is to every child process; a
     watchdog that cannot start leaves scopes enforced in-process, with a warning.
 
-    Nothing waits for the watchdog to come up: its socket listens already. One that
-    never comes up is noticed by the clients, as end-of-file on their connections."""
+    Nothing waits for the watchdog to come up: its socket listens already, and this
+    process's first deadline has a thread wait for its answer. One that never comes up
+    is noticed by that thread and the other clients, as end-of-file on their
+    connections."""
     settings = state.settings
     try:
         handle = launcher.start(
@@ -77,6 +79,8 @@ def start_watchdog(config: pytest.Config, state: SessionState) -> None:
         else:
             os.environ[name] = value
     state.put_back_scopes = scopes.set_aside()
+    # Connect now; the answer to our hello is not waited for (see ProcessState).
+    scopes.process_state().welcome_in_background = True
 
 
 def stop_watchdog(config: pytest.Config, state: SessionState, end: dict[str, Any]) -> None:

@@ -186,11 +186,6 @@ def begin(item: pytest.Item, *, named: bool = True) -> None:
     if state.budgets.errors:  # a bad marker: this test's error, before its fixtures
         state.budgets.check(item)
     running = RunningTest(item, state)
-    if not running.process.welcomed:
-        # The watchdog started beside collection; the first test waits for it to be
-        # up here, before its first scope: time spent waiting inside a scope would
-        # count against that scope's budget.
-        running.process.welcome()
     _running.append(running)
     running.switch("setup", named=named)
     process = running.process

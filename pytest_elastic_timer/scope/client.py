@@ -69,6 +69,7 @@ CO_ASYNC = inspect.CO_COROUTINE | inspect.CO_ITERABLE_COROUTINE | inspect.CO_ASY
 # process must not call them.
 _monotonic = unpatched.monotonic
 _kill = unpatched.kill
+_select = unpatched.select
 
 
 def label_from_env() -> str:
@@ -120,6 +121,12 @@ class ProcessState:
         # (a request, its pid, a look whether it is still there): connecting never
         # waits for the watchdog, which may still be starting.
         self.welcomed = False
+        # The process that started the watchdog does not wait for its answer: until it
+        # comes, a thread stands by to enforce scopes in-process should it never come.
+        self.welcome_in_background = False
+        self.standby: threading.Thread | None = None
+        self.standby_ended = False  # close() was called: a standby thread ends quietly
+        self.lose_lock = threading.Lock()
         # Free slots. A deque: a list that a loop's one scope empties and fills again
         # is shrunk and grown (a realloc each way) by every scope.
         self.free: deque[int] = deque()
@@ -265,6 +272,38 @@ class ProcessState:
         if fields.get("trace") and self.trace is None and self.address:
             self._start_trace(os.path.dirname(self.address))
 
+    def _stand_by(self) -> None:
+        """Start the thread that waits for the watchdog's answer, unless it runs, or
+        the answer (or the end of the connection) is here already."""
+        sock = self.sock
+        if self.welcomed or sock is None or self.standby is not None or self.standby_ended:
+            return
+        # A descriptor of its own: the thread never reads, or closes, the one this
+        # process sends on.
+        watched = socket.socket(fileno=os.dup(sock.fileno()))
+        self.standby = threading.Thread(
+            target=self._await_welcome, args=(watched,), name="elastic-timer-standby", daemon=True
+        )
+        self.standby.start()
+
+    def _await_welcome(self, watched: socket.socket) -> None:
+        """The standby thread: wait for the watchdog's answer without reading it (the
+        process reads it where it needs it); if the connection ends first, or nothing
+        comes within ``WELCOME_TIMEOUT``, enforce scopes in-process from then on."""
+        with watched:
+            why = "the watchdog did not answer"
+            if _select([watched], [], [], WELCOME_TIMEOUT)[0]:
+                try:
+                    if watched.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                        return  # the answer is there
+                    why = "the watchdog closed its connection"
+                except BlockingIOError:
+                    return  # the process read the answer already
+                except OSError as exc:
+                    why = str(exc) or type(exc).__name__
+        if not self.standby_ended:
+            self._lose(why)
+
     def answered(self) -> bool:
         """Whether the watchdog has answered this process's hello (read if it has
         arrived; never waits)."""
@@ -282,8 +321,16 @@ class ProcessState:
 
         Everything the state installed is undone: the process is left as it was
         before (a pytest session run inside a test of another ends this way)."""
+        self.standby_ended = True
+        standby = self.standby
+        if standby is not None and self.sock is not None:
+            # Its select returns: our end of the connection reads end-of-file now.
+            with contextlib.suppress(OSError):
+                self.sock.shutdown(socket.SHUT_RDWR)
         self._close_socket()
         atexit.unregister(self._close_socket)
+        if standby is not None and standby is not threading.current_thread():
+            standby.join(5.0)
         if self.sentinel is not None:
             self.sentinel.stop()
         if self.trace is not None:
@@ -467,8 +514,13 @@ class ProcessState:
         if self.sentinel is None and not self.welcomed:
             # A deadline needs an enforcer known to be there: the process's first one
             # waits for the watchdog's answer to its hello (the watchdog may still be
-            # starting). One that never comes up, or refuses us, leaves the sentinel.
-            self.welcome()
+            # starting), or, in the process that started it, has a thread wait for it.
+            # One that never comes up, or refuses us, leaves the sentinel.
+            if self.welcome_in_background:
+                self.welcome(wait=False)
+                self._stand_by()
+            else:
+                self.welcome()
         if self.sentinel is not None:
             self.sentinel.wake()
         else:
@@ -516,10 +568,14 @@ class ProcessState:
         return False
 
     def _lose(self, why: str) -> None:
-        self._warn(f"lost the watchdog ({why}); enforcing scopes in-process from now on")
-        self._close_socket()
-        self.sentinel = Sentinel(self, self.table)
-        self.sentinel.wake()
+        # Once, though the process and its standby thread may both find out.
+        with self.lose_lock:
+            if self.sentinel is not None:
+                return
+            self._warn(f"lost the watchdog ({why}); enforcing scopes in-process from now on")
+            self._close_socket()
+            self.sentinel = Sentinel(self, self.table)
+            self.sentinel.wake()
 
     def request(self, op: str, **fields: Any) -> dict[str, Any]:
         """Send ``op`` and wait for the watchdog's answer (used by the plugin only)."""
