@@ -3,8 +3,9 @@
 Timer scopes (``expires()``, ``TimerRequest``) are enforced by a session-scoped watchdog
 process that lives outside every test process; see https://pytest-elastic-timer docs.
 
-The barriers, events and locks and torch's timer client are imported on first use (a
-process that only enters scopes never loads them).
+Every public name is imported on first use: a process that only enters scopes never
+loads the barriers, events and locks or torch's timer client, and the watchdog process,
+which imports its modules from this package, loads none of the scope machinery.
 """
 
 from __future__ import annotations
@@ -12,16 +13,15 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from pytest_elastic_timer.scope.scopes import (
-    ScopeExpired,
-    TimeoutException,
-    TimerRequest,
-    current_scope,
-    expires,
-    set_label,
-)
-
 if TYPE_CHECKING:
+    from pytest_elastic_timer.scope.scopes import (
+        ScopeExpired,
+        TimeoutException,
+        TimerRequest,
+        current_scope,
+        expires,
+        set_label,
+    )
     from pytest_elastic_timer.scope.torch_compat import TimerClient, configure_torch
     from pytest_elastic_timer.sync.client import (
         BarrierTimeout,
@@ -38,6 +38,17 @@ if TYPE_CHECKING:
 
 # public name -> the module that defines it, imported when the name is first used
 _LAZY = {
+    **dict.fromkeys(
+        (
+            "ScopeExpired",
+            "TimeoutException",
+            "TimerRequest",
+            "current_scope",
+            "expires",
+            "set_label",
+        ),
+        "pytest_elastic_timer.scope.scopes",
+    ),
     **dict.fromkeys(("TimerClient", "configure_torch"), "pytest_elastic_timer.scope.torch_compat"),
     **dict.fromkeys(
         (

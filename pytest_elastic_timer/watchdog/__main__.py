@@ -21,7 +21,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pytest_elastic_timer.ci import junit_fallback
 from pytest_elastic_timer.sync.server import SyncServer
 from pytest_elastic_timer.watchdog import proctree, remote_host
 from pytest_elastic_timer.watchdog.file_timer import FileTimerIntake
@@ -88,6 +87,8 @@ def build(
 def _junit_if_pytest_died(dog: Watchdog, path: str) -> None:
     if not dog.root_died:
         return  # pytest writes its own file
+    from pytest_elastic_timer.ci import junit_fallback  # only then: xml is slow to import
+
     try:
         junit_fallback.write(path, dog.records, dog.session)
     except OSError as exc:
