@@ -1,7 +1,8 @@
 """Slow phases (``--elastic-timer-slow``): test phases that used at least that fraction
 of their budget, as ``SLOW`` lines in the terminal summary, and the ``slow`` and
-``slowest`` facts of the JSON report. Registered in the controller (or only process)
-of every session; it implements the plugin's hooks (:mod:`..plugin.hookspecs`).
+``slowest`` facts of the JSON report. Registered at the end of a session (in the
+controller, or the only process) that has a budget or a JSON report; it implements the
+plugin's hooks (:mod:`..plugin.hookspecs`).
 
 Nothing here runs for a passing test: phase times are read from the terminal's
 reports once the session ends.

@@ -23,6 +23,7 @@ from pytest_elastic_timer.plugin.budgets import BudgetBook, Budgets
 from pytest_elastic_timer.plugin.expiry import watch_failures
 from pytest_elastic_timer.plugin.fixtures import elastic_timer as elastic_timer
 from pytest_elastic_timer.plugin.fixtures import elastic_timer_server as elastic_timer_server
+from pytest_elastic_timer.plugin.hookspecs import SessionFacts
 from pytest_elastic_timer.plugin.options import MARKER, add_options, read_settings
 from pytest_elastic_timer.plugin.state import (
     SESSION,
@@ -95,7 +96,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def _register_ci_outputs(config: pytest.Config, state: SessionState) -> None:
     """The CI outputs this session uses, imported and registered by name."""
-    wanted = [CI_SLOW]
+    wanted: list[str] = []
     if config.getoption("xmlpath", None):
         wanted.append(CI_JUNIT)
     if os.environ.get("GITHUB_ACTIONS") == "true":
@@ -195,12 +196,18 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
             )
         _restart_limit_line(terminalreporter, config, found)
     if not is_worker(config):
+        facts = lifecycle.facts_for_hooks(config, state)
+        _register_slow_if_used(config, facts)
         config.hook.pytest_elastic_timer_terminal_summary(
-            config=config,
-            terminalreporter=terminalreporter,
-            records=found,
-            session=lifecycle.facts_for_hooks(config, state),
+            config=config, terminalreporter=terminalreporter, records=found, session=facts
         )
+
+
+def _register_slow_if_used(config: pytest.Config, facts: SessionFacts) -> None:
+    """The slow phases' output, registered at the end of a session that can have any:
+    SLOW lines need a budget, the slow and slowest facts a JSON report."""
+    if facts.report or facts.budgets or facts.default_call:
+        config.pluginmanager.import_plugin(CI_SLOW)
 
 
 def _in_passed_tests(terminalreporter: Any, found: list[records.ExpiryRecord]) -> set[str]:
@@ -248,6 +255,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     if state.watchdog is not None:
         end: dict[str, Any] = {"exitstatus": state.exitstatus}
         facts = lifecycle.facts_for_hooks(config, state)
+        _register_slow_if_used(config, facts)
         found = expiry_records(config)
         for more in config.hook.pytest_elastic_timer_session_end(
             config=config, records=found, session=facts

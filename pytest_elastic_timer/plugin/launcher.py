@@ -103,7 +103,8 @@ class WatchdogHandle:
         kernel when this process exits (it ends by itself on the stop command, and on
         end-of-file of its stdin)."""
         if self.control >= 0:
-            command = json.dumps({"op": "stop", "session": session or {}}).encode() + b"\n"
+            stop = {"op": "stop", "session": session or {}, "waited": wait}
+            command = json.dumps(stop).encode() + b"\n"
             with contextlib.suppress(OSError):
                 os.write(self.control, command)
             os.close(self.control)

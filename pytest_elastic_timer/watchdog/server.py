@@ -285,6 +285,8 @@ class Watchdog:
             if isinstance(command, dict) and command.get("op") == "stop":
                 self.session.update(command.get("session") or {})
                 self.stopping = True
+                if command.get("waited") is False:
+                    _leave_output()
 
     # -- the end ------------------------------------------------------------------
     def _ending_root(self) -> None:
@@ -339,3 +341,16 @@ class Watchdog:
         self.connections.close()
         self.owners.close()
         self.loop.close()
+
+
+def _leave_output() -> None:
+    """Let go of the output this process shares with pytest, which ended its session
+    normally and does not wait: a shell or CI step that reads pytest's output through
+    a pipe need not wait for this process's end either. Only a pytest that died has
+    anything to hear from it."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for fd in (1, 2):
+            os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
