@@ -660,10 +660,17 @@ def _budget_of(scope: TimerRequest) -> float:
 
 def _overrun(scope: TimerRequest) -> ScopeExpired:
     """The exception for a scope whose interrupt was delivered and swallowed."""
-    label = _state.label if _state is not None else ""
-    elapsed = monotonic() - scope._start
-    budget = _budget_of(scope)
-    return ScopeExpired(scope.path, budget, elapsed, os.getpid(), "interrupted", scope.site, label)
+    return _expired(scope, monotonic(), "interrupted")
+
+
+def _expired(scope: TimerRequest, now: float, action: str) -> ScopeExpired:
+    """The ScopeExpired of ``scope`` as of ``now``, in this process."""
+    state = scope._state or _state
+    label = state.label if state is not None else ""
+    elapsed = now - scope._start
+    return ScopeExpired(
+        scope.path, _budget_of(scope), elapsed, os.getpid(), action, scope.site, label
+    )
 
 
 def _report(
@@ -677,13 +684,10 @@ def _report(
     """The exception for ``scope``, after telling the watchdog where the owner was."""
     for listener in list(expiry_listeners):
         listener()
-    state = scope._state or _state
-    pid = os.getpid()
-    label = state.label if state is not None else ""
-    budget = _budget_of(scope)
-    exc = ScopeExpired(scope.path, budget, now - scope._start, pid, action, scope.site, label)
+    exc = _expired(scope, now, action)
     if task is not None:
         return exc  # reported when the cancellation was asked for
+    state = scope._state or _state
     if state is not None:
         _tell_expired(state, scope, now, delivery.owner_stack(frame, exc))
     return exc
