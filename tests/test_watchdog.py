@@ -31,9 +31,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import ENV_DUMP_SIGNAL, RawClient, pump, write_slot
+from helpers import ENV_DUMP_SIGNAL, RawClient, pump, wait_gone, write_slot
 
-from pytest_elastic_timer.core import records, wire
+from pytest_elastic_timer.core import records, startup, wire
 from pytest_elastic_timer.core import table as tbl
 from pytest_elastic_timer.scope.client import ENV_ADDRESS
 from pytest_elastic_timer.watchdog import proctree
@@ -111,12 +111,20 @@ class Client:
     def hello(self) -> tuple[str, dict[str, object]] | None:
         return self.ask("hello", pid=os.getpid(), table=self.path, dump="")
 
-    def open_scope(self, after: float, *, serial: int = 1, slot: int = 0) -> float:
+    def open_scope(self, after: float, *, serial: int = 1, slot: int = 0, depth: int = 0) -> float:
         """Enter a scope of ``after`` seconds (slot and wake, as the scope side does);
         returns its deadline."""
         now = self.step.clock()
         sid = self.table.add_string(f"scope-{serial}")
-        write_slot(self.table, slot, serial=serial, deadline=now + after, start=now, path_sid=sid)
+        write_slot(
+            self.table,
+            slot,
+            serial=serial,
+            deadline=now + after,
+            start=now,
+            path_sid=sid,
+            depth=depth,
+        )
         self.table.words[tbl.H_HWM] = max(int(self.table.words[tbl.H_HWM]), slot + 1)
         self.send(wire.encode("wake", at=now + after))
         return now + after
@@ -327,6 +335,37 @@ def test_a_disconnect_after_an_interrupt_ends_the_escalation(
     assert len(interrupts) == 1
 
 
+def test_a_closed_scopes_escalation_does_not_hold_back_its_threads_next_deadline(
+    step: Stepper, client: Client, interrupts: list[float]
+) -> None:
+    """The thread unwound the scope the watchdog interrupted, and its ladder has not
+    looked since (it may still be collecting children's stacks): the thread's next
+    scope that expires is interrupted at its own deadline."""
+    client.open_scope(0.1, serial=5)
+    step.elapse(0.1)
+    assert len(interrupts) == 1
+    client.leave_scope()
+    deadline = client.open_scope(0.0, serial=6)  # due at once, before the ladder's look
+    assert interrupts == [deadline, deadline]
+
+
+def test_a_deadline_held_back_by_an_enclosing_escalation_is_acted_on_once_it_ends(
+    step: Stepper, client: Client, interrupts: list[float]
+) -> None:
+    """A scope inside one that is escalating is not interrupted on its own; once the
+    enclosing scope has closed, it is, within the ladder's look interval."""
+    client.open_scope(0.1, serial=5, slot=0)
+    client.open_scope(0.2, serial=6, slot=1, depth=1)
+    step.elapse(0.1)
+    assert len(interrupts) == 1
+    step.elapse(0.1)  # the inner deadline: its thread is busy with the outer one
+    assert len(interrupts) == 1
+    client.leave_scope(slot=0)  # a detached enclosing scope released, say
+    step.elapse(0.01)
+    step.elapse(0.01)
+    assert len(interrupts) == 2
+
+
 @pytest.mark.parametrize("at", [b"NaN", b"Infinity", b"-Infinity"])
 def test_a_non_finite_wake_is_dropped_and_enforcement_goes_on(
     step: Stepper, client: Client, interrupts: list[float], at: bytes
@@ -496,6 +535,32 @@ def test_the_watchdog_process_imports_nothing_of_pytest() -> None:
 
 
 # -- process identity --------------------------------------------------------------
+HANDLES_SIGUSR2 = """
+import signal, time
+signal.signal(signal.SIGUSR2, lambda signum, frame: None)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_zombie_is_not_asked_for_its_stacks() -> None:
+    """A child that exited and waits to be reaped still shows the handlers it had, but
+    runs none: it is not asked for a dump (which the ladder would wait for)."""
+    child = subprocess.Popen([sys.executable, "-c", HANDLES_SIGUSR2], stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == b"ready\n"
+        assert startup.catches(child.pid, signal.SIGUSR2)
+        child.kill()
+        assert wait_gone(child.pid, 10.0)  # a zombie: nobody reaped it yet
+        assert psutil.Process(child.pid).status() == psutil.STATUS_ZOMBIE
+        assert not startup.catches(child.pid, signal.SIGUSR2)
+    finally:
+        child.kill()
+        child.wait()
+        assert child.stdout is not None
+        child.stdout.close()
+
+
 def test_process_identity_survives_pid_reuse() -> None:
     me = proctree.ProcessId.of(os.getpid())
     assert me is not None

@@ -187,10 +187,14 @@ def install(session_dir: str) -> str:
 
 
 def catches(pid: int, signum: int) -> bool:
-    """Whether process ``pid`` has a handler for ``signum`` (Linux: SigCgt)."""
+    """Whether process ``pid`` has a handler for ``signum`` (Linux: SigCgt). A process
+    that has exited and waits to be reaped (a zombie) still shows its handlers, but
+    runs none."""
     try:
         with open(f"/proc/{pid}/status", encoding="ascii") as f:
             for line in f:
+                if line.startswith("State:") and line.split()[1] in ("Z", "X"):
+                    return False
                 if line.startswith("SigCgt:"):
                     return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
     except (OSError, ValueError):

@@ -15,7 +15,7 @@ from typing import Any
 
 from pytest_elastic_timer.core import table as tbl
 from pytest_elastic_timer.core import wire
-from pytest_elastic_timer.watchdog.ladder import Ladder, closed
+from pytest_elastic_timer.watchdog.ladder import CHECK_EVERY, Ladder, closed
 from pytest_elastic_timer.watchdog.loop import Loop
 from pytest_elastic_timer.watchdog.owners import Expiry, Owner, Owners
 
@@ -48,17 +48,24 @@ class Scanner:
         table.floats[tbl.H_ARMED] = 0.0  # until this scan is done, every entry notifies
         suspended = table.floats[tbl.H_SUSPENDED]
         earliest, due = table.due_slots(now)
-        busy_threads = {e.thread_id for e in owner.expiries.values()}
+        # A thread whose scope is escalating (and still open) is not interrupted again
+        # for the scopes it encloses. One whose scope has closed, while its ladder still
+        # collects evidence (children's dumps), is free for its next deadline.
+        busy_threads = {e.thread_id for e in owner.expiries.values() if not closed(owner, e)}
+        held_back = False
         for slot in sorted(due, key=lambda s: s.depth):  # outermost first
             if suspended or slot.serial in owner.expiries or slot.serial in owner.finished:
                 continue
             if slot.thread_id in busy_threads:
-                continue  # an enclosing scope of this thread is already escalating
+                held_back = True  # looked at again once that escalation is over
+                continue
             busy_threads.add(slot.thread_id)
             self._expire(owner, slot)
         table.floats[tbl.H_ARMED] = earliest
         if earliest < float("inf"):
             self.schedule_scan(owner, earliest)
+        if held_back:
+            self.schedule_scan(owner, now + CHECK_EVERY)
         if recheck and earliest > now + RECHECK_AFTER:
             self.schedule_scan(owner, now + RECHECK_AFTER, recheck=False)
 
