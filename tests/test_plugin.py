@@ -1106,6 +1106,47 @@ def test_a_watchdog_that_comes_up_late_enforces_earlier_deadlines(
     session.assert_clean()
 
 
+EARLY_FILE_TIMER_CLIENT = """
+import json, os, sys, time
+
+path = os.environ["TORCHELASTIC_TIMER_FILE"]
+fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)  # as torch's FileTimerClient opens it
+request = {"version": 1, "pid": os.getpid(), "scope_id": "early.py#3",
+           "expiration_time": time.time() + 0.5, "signal": 9}
+os.write(fd, (json.dumps(request) + "\\n").encode())
+os.close(fd)
+open(sys.argv[1], "w").close()
+time.sleep(60)
+"""
+
+
+def test_a_torch_file_timer_client_needs_no_watchdog_up_yet(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The torch file-timer FIFO is there, with a reader, from the session's start:
+    a FileTimerClient opens it and sends its request before the watchdog runs (torch
+    raises BrokenPipeError where nobody reads), and the watchdog, once up, enforces it."""
+    gate = _gated_watchdog(pytester, monkeypatch)
+    pytester.makepyfile(
+        test_early=f"""
+        import os, subprocess, sys
+
+        CLIENT = {EARLY_FILE_TIMER_CLIENT!r}
+
+        def test_early_request():
+            child = subprocess.Popen([sys.executable, "-c", CLIENT, "sent"])
+            while child.poll() is None and not os.path.exists("sent"):
+                pass
+            assert os.path.exists("sent"), child.wait()
+            open({str(gate)!r}, "w").close()
+            assert child.wait(timeout=60) < 0  # ended by the watchdog
+        """
+    )
+    session = run(pytester)
+    session.result.assert_outcomes(passed=1)
+    session.assert_clean()
+
+
 STRAY_IGNORING_SIGTERM = """
 import subprocess
 import sys

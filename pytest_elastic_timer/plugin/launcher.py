@@ -198,6 +198,9 @@ def start(
     (it inherits the socket, as socket activation does): a process may connect at once,
     and its connection waits in the backlog until the watchdog accepts it. A watchdog
     that never comes up closes the socket by exiting, and its clients read end-of-file.
+    The torch file-timer FIFO is made the same way, its read end inherited: a torch
+    ``FileTimerClient`` can open it for writing at once (without a reader, the open
+    fails and torch raises BrokenPipeError), and its requests wait in the pipe.
     """
     reap_stopped()
     if _posix_spawn is None:
@@ -207,6 +210,13 @@ def start(
     os.chmod(directory, 0o700)
     address = os.path.join(directory, SOCKET_NAME)
     env = _watchdog_env()
+    fifo = os.path.join(directory, startup.TORCH_TIMER_FIFO)
+    try:
+        os.mkfifo(fifo, 0o600)
+        fifo_fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as listener:
             listener.bind(address)
@@ -218,6 +228,8 @@ def start(
                 json.dumps(session),
                 "--listen-fd",
                 str(listener.fileno()),
+                "--fifo-fd",
+                str(fifo_fd),
             ]
             if report:
                 argv += ["--report", os.path.abspath(report)]
@@ -227,10 +239,12 @@ def start(
                 argv += ["--junit-xml", os.path.abspath(junit_xml)]
             if trace:
                 argv.append("--trace")
-            pid, control = _spawn(argv, env, listener.fileno())
+            pid, control = _spawn(argv, env, [listener.fileno(), fifo_fd])
     except BaseException:
         shutil.rmtree(directory, ignore_errors=True)
         raise
+    finally:
+        os.close(fifo_fd)  # the watchdog's now
     pidfd = -1
     if _pidfd_open is not None:
         with contextlib.suppress(OSError):
@@ -238,18 +252,20 @@ def start(
     return WatchdogHandle(pid, address, directory, control, pidfd)
 
 
-def _spawn(argv: list[str], env: dict[str, str], listen_fd: int) -> tuple[int, int]:
+def _spawn(argv: list[str], env: dict[str, str], passed: list[int]) -> tuple[int, int]:
     """Start ``argv`` with a pipe as stdin (its write end returned), stdout to
-    /dev/null and ``listen_fd`` inherited; its pid and the pipe's write end."""
+    /dev/null and the descriptors ``passed`` inherited; its pid and the pipe's write
+    end."""
     assert _posix_spawn is not None
     read_end, write_end = os.pipe()
     try:
-        os.set_inheritable(listen_fd, True)
+        for fd in passed:
+            os.set_inheritable(fd, True)
         actions: list[tuple[Any, ...]] = [
             (os.POSIX_SPAWN_DUP2, read_end, 0),
             (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
         ]
-        actions += [(os.POSIX_SPAWN_CLOSE, fd) for fd in _inheritable_fds({0, 1, 2, listen_fd})]
+        actions += [(os.POSIX_SPAWN_CLOSE, fd) for fd in _inheritable_fds({0, 1, 2, *passed})]
         # As Popen's restore_signals: Python ignores these, a new program should not.
         defaults = [
             getattr(signal, name) for name in ("SIGPIPE", "SIGXFSZ") if hasattr(signal, name)

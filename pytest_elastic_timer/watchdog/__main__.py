@@ -58,14 +58,16 @@ def build(
     clock: Clock = time.monotonic,
     host_name: str | None = None,
     linger: float = remote_host.DEFAULT_LINGER,
+    fifo_fd: int = -1,
     **settings: Any,
 ) -> Assembly:
     """A watchdog serving ``directory`` for the session below ``root``, with every
     intake plugged in; ``settings`` are :class:`Watchdog`'s keyword arguments. With
     ``host_name``, the watchdog of that host, which is not the controller's: the
-    workers there join it (``root`` is the one that started it)."""
+    workers there join it (``root`` is the one that started it). ``fifo_fd``: the read
+    end of the torch file-timer FIFO that the plugin made (-1: make one)."""
     dog = Watchdog(directory, root=root, clock=clock, **settings)
-    file_timers = FileTimerIntake(dog, directory)
+    file_timers = FileTimerIntake(dog, directory, fifo_fd)
     dog.add_reader(file_timers.read_fd, file_timers.readable)
     dog.on_finish(file_timers.close)
     sync = SyncServer(dog)
@@ -127,6 +129,12 @@ def main(argv: list[str] | None = None) -> int:
         default=-1,
         help="the session's socket, bound and listening already (inherited)",
     )
+    parser.add_argument(
+        "--fifo-fd",
+        type=int,
+        default=-1,
+        help="the read end of the session's torch file-timer FIFO, made already (inherited)",
+    )
     args = parser.parse_args(argv)
     # Ctrl-C reaches the whole process group; pytest decides how the session ends.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -161,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         dump_signal=args.dump_signal,
         trace=args.trace,
         listener=listener,
+        fifo_fd=args.fifo_fd,
     ).dog
     sys.stdout.write(f"ready {os.getpid()} {dog.address}\n")
     sys.stdout.flush()

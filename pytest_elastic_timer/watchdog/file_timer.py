@@ -39,11 +39,16 @@ MAX_LINE = 4096  # torch refuses requests above PIPE_BUF; we allow a little more
 class FileTimerIntake:
     """Reads the FIFO and turns requests into slots of adopted processes' tables."""
 
-    def __init__(self, host: TableHost, directory: str) -> None:
+    def __init__(self, host: TableHost, directory: str, read_fd: int = -1) -> None:
+        """Serve the FIFO in ``directory``: the one whose read end ``read_fd`` is (made
+        by the plugin, so torch clients can open it before this process runs), or a
+        new one."""
         self.host = host
         self.path = os.path.join(directory, FIFO_NAME)
-        os.mkfifo(self.path, 0o600)
-        self.read_fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
+        if read_fd < 0:
+            os.mkfifo(self.path, 0o600)
+            read_fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
+        self.read_fd = read_fd
         # Our own writer keeps the FIFO open: no EOF when the last client closes it.
         self.keep_fd = os.open(self.path, os.O_WRONLY | os.O_NONBLOCK)
         self.buffer = b""
