@@ -1106,6 +1106,25 @@ def test_a_watchdog_that_comes_up_late_enforces_earlier_deadlines(
     session.assert_clean()
 
 
+def test_an_inner_session_ends_a_watchdog_that_is_not_up_yet(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session run in-process by a test leaves no child behind, so it cannot just
+    leave its watchdog to finish; one that has not come up yet (it never answered) has
+    served nobody, and is ended and reaped at once instead of waited for (here it would
+    never come up: the wait would last until the stop's time-out)."""
+    gate = _gated_watchdog(pytester, monkeypatch)
+    pytester.makepyfile(test_one="def test_one():\n    pass\n")
+    before = {p.pid for p in psutil.Process().children()}
+    started = time.monotonic()
+    result = pytester.runpytest_inprocess(*LEAN)
+    seconds = time.monotonic() - started
+    result.assert_outcomes(passed=1)
+    assert not gate.exists()
+    assert seconds < launcher.STOP_TIMEOUT / 2, "the session waited for its watchdog"
+    assert {p.pid for p in psutil.Process().children()} == before  # ended and reaped
+
+
 EARLY_FILE_TIMER_CLIENT = """
 import json, os, sys, time
 

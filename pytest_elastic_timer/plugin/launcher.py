@@ -118,6 +118,17 @@ class WatchdogHandle:
         self._reap(block=True)
         return self.returncode
 
+    def discard(self) -> None:
+        """End a watchdog that has served nobody at once (SIGKILL), reap it and remove
+        its directory: for a session that ends before its watchdog came up."""
+        if self.control >= 0:
+            os.close(self.control)
+            self.control = -1
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                _kill(self.pid, signal.SIGKILL)
+        self._reap(block=True)
+
     def _wait(self, timeout: float) -> bool:
         """Whether the watchdog ended within ``timeout`` seconds, waited for in one
         select on its pidfd: no clock, no sleep loop. Without a pidfd the caller reaps

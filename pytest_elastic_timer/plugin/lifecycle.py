@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from pytest_elastic_timer.core import records, startup, unpatched
-from pytest_elastic_timer.plugin import launcher
+from pytest_elastic_timer.plugin import launcher, leaks
 from pytest_elastic_timer.plugin.hookspecs import SessionFacts
 from pytest_elastic_timer.plugin.state import SESSION, SessionState, is_worker, uses_xdist
 from pytest_elastic_timer.scope import client, scopes
@@ -43,6 +43,7 @@ def start_watchdog(config: pytest.Config, state: SessionState) -> None:
     is noticed by that thread and the other clients, as end-of-file on their
     connections."""
     settings = state.settings
+    state.children_before = leaks.pids_of(leaks.snapshot())
     try:
         handle = launcher.start(
             grace=settings.grace,
@@ -87,15 +88,29 @@ def stop_watchdog(config: pytest.Config, state: SessionState, end: dict[str, Any
     """Stop the session's watchdog; wait for it only where something must be read back
     or nothing would be left to reap it."""
     assert state.watchdog is not None
-    wait = (
-        # Files the user reads after pytest: the JSON report, and the JUnit file, which
-        # is the watchdog's only if pytest died (waited for all the same).
-        bool(state.settings.report or config.getoption("xmlpath", None))
+    # Files the user reads after pytest: the JSON report, and the JUnit file, which is
+    # the watchdog's only if pytest died (waited for all the same).
+    files = bool(state.settings.report or config.getoption("xmlpath", None))
+    if files or not state.ends_with_its_process:
         # A session run in-process inside another pytest (pytester) leaves that
         # process as it found it: no child to reap later, no pidfd open.
-        or not state.ends_with_its_process
-    )
-    state.watchdog.stop(end, wait=wait)
+        if not files and _not_up_and_alone(state):
+            state.watchdog.discard()  # waiting would cost its whole start-up
+        else:
+            state.watchdog.stop(end, wait=True)
+    else:
+        state.watchdog.stop(end, wait=False)
+
+
+def _not_up_and_alone(state: SessionState) -> bool:
+    """Whether the watchdog has not answered this process's hello, the first connection
+    it serves (so it has looked at no table and made no record), and no other process
+    of the session is left that it would end at the session's end."""
+    process = scopes.current_state()
+    if process is None or process.answered() or state.watchdog is None:
+        return False
+    started = leaks.pids_of(leaks.snapshot()) - state.children_before
+    return started <= {state.watchdog.pid}
 
 
 def ends_with_its_process() -> bool:

@@ -27,6 +27,7 @@ class SessionState:
     rootdir: str = ""
     watchdog: launcher.WatchdogHandle | None = None
     previous_env: dict[str, str | None] = field(default_factory=dict)
+    children_before: set[int] = field(default_factory=set)  # this process's, at start
     # The command line's own session: its process ends with it (see lifecycle).
     ends_with_its_process: bool = False
     session_scope: TimerRequest | None = None
