@@ -72,6 +72,38 @@ def test_plain():
         helper.wait()
 '''
 
+# torch's own harness (MultiProcessTestCase, two gloo ranks): ``stuck_ranks(body)`` is a
+# test module whose test_allreduce runs ``body`` (indented 8) in each rank once the
+# process group is up.
+STUCK_RANKS = """
+import time
+
+import torch
+import torch.distributed as dist
+from torch.testing._internal.common_distributed import MultiProcessTestCase
+
+
+class StuckRanks(MultiProcessTestCase):
+    @property
+    def world_size(self):
+        return 2
+
+    def setUp(self):
+        super().setUp()
+        self._spawn_processes()
+
+    def test_allreduce(self):
+        dist.init_process_group(
+            "gloo", init_method=f"file://{self.file_name}", rank=self.rank, world_size=2
+        )
+__BODY__"""
+
+
+def stuck_ranks(body: str) -> str:
+    """The :data:`STUCK_RANKS` module with ``body`` in its test."""
+    return STUCK_RANKS.replace("__BODY__", body)
+
+
 HEADER = re.compile(
     r"^elastic-timer: watchdog pid (\d+), default budget (\S+), grace (\S+), scale (\S+)$"
 )

@@ -33,6 +33,7 @@ from helpers import (
     Session,
     failure_block,
     sections,
+    stuck_ranks,
     top_level_environment,
     wait_gone,
 )
@@ -434,32 +435,14 @@ def test_no_rank_outlives_its_test(spawned: tuple[Path, Session]) -> None:
 
 
 # -- torch's own harness: ranks named rank N without being told ----------------------
-MULTI_PROCESS_TEST_CASE = """
-import time
-
-import torch
-import torch.distributed as dist
-from torch.testing._internal.common_distributed import MultiProcessTestCase
-
-
-class StuckRanks(MultiProcessTestCase):
-    @property
-    def world_size(self):
-        return 2
-
-    def setUp(self):
-        super().setUp()
-        self._spawn_processes()
-
-    def test_allreduce(self):
-        dist.init_process_group(
-            "gloo", init_method=f"file://{self.file_name}", rank=self.rank, world_size=2
-        )
+MULTI_PROCESS_TEST_CASE = stuck_ranks(
+    """\
         dist.all_reduce(torch.ones(2, 2))
         if self.rank == 1:
             time.sleep(3600)  # never joins the second all_reduce
         dist.all_reduce(torch.ones(2, 2))
 """
+)
 
 
 @pytest.mark.expires(TORCH_BUDGET)

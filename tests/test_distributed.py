@@ -32,6 +32,7 @@ from helpers import (
     run,
     scope_line,
     sections,
+    stuck_ranks,
     wait_gone,
 )
 
@@ -169,31 +170,13 @@ def test_file_timer():
 '''
 RANK_TESTS = ("test_expires", "test_torch_expires", "test_file_timer")
 
-MULTI_PROCESS_TEST_CASE = """
-import time
-
-import torch
-import torch.distributed as dist
-from torch.testing._internal.common_distributed import MultiProcessTestCase
-
-
-class StuckRanks(MultiProcessTestCase):
-    @property
-    def world_size(self):
-        return 2
-
-    def setUp(self):
-        super().setUp()
-        self._spawn_processes()
-
-    def test_allreduce(self):
-        dist.init_process_group(
-            "gloo", init_method=f"file://{self.file_name}", rank=self.rank, world_size=2
-        )
+MULTI_PROCESS_TEST_CASE = stuck_ranks(
+    """\
         if self.rank == 1:
             time.sleep(3600)  # never joins the collective
         dist.all_reduce(torch.ones(4))
 """
+)
 
 
 @pytest.fixture(autouse=True)
