@@ -18,6 +18,8 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from pytest_elastic_timer.scope import client
+
 if TYPE_CHECKING:
     import psutil
 
@@ -117,7 +119,7 @@ def snapshot() -> bytes:
     bytes first, so that a test that started nothing costs one read and no parsing."""
     # threading.active_count() without its lock: a thread starting right now is one
     # the test started, and its children are read after the test anyway.
-    if len(_active) == 1 and not _limbo:
+    if (len(_active) == 1 or _only_our_threads_beside_main()) and not _limbo:
         fd = _main_children[0]
         if fd >= 0 or (fd := _main_fd()) >= 0:
             # Small enough for Python's own allocator: a page-sized buffer would cost
@@ -139,7 +141,17 @@ def snapshot() -> bytes:
     return b" ".join(parts)
 
 
-_active: dict[int, object] = threading._active  # type: ignore[attr-defined]
+def _only_our_threads_beside_main() -> bool:
+    """Whether every thread but the main one is one of the package's own, which start
+    no processes (the standby thread while the watchdog comes up, say)."""
+    main = threading.main_thread()
+    return all(
+        thread is main or thread.name.startswith(client.THREAD_PREFIX)
+        for thread in list(_active.values())
+    )
+
+
+_active: dict[int, threading.Thread] = threading._active  # type: ignore[attr-defined]
 _limbo: dict[object, object] = threading._limbo  # type: ignore[attr-defined]
 _main_children = [-1]  # open procfs fd of the main thread's children (-1: none yet)
 _FIRST_READ = 256  # bytes: some forty children, in the common case of the main thread

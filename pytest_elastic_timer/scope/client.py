@@ -35,6 +35,10 @@ ENV_ADDRESS = "PYTEST_ELASTIC_TIMER"
 ENV_SCALE = "PYTEST_ELASTIC_TIMER_SCALE"  # the session's scale factor
 ENV_TRACE = "PYTEST_ELASTIC_TIMER_TRACE"  # "1": the session writes a trace timeline
 
+# The package's own threads (the standby and the sentinel) are named with this prefix:
+# they start no processes, so a look for a test's child processes may pass them over.
+THREAD_PREFIX = "elastic-timer-"
+
 # How long a process waits for the watchdog's answer to its hello where it needs it: as
 # long as a loaded machine may take to start the watchdog's interpreter.
 WELCOME_TIMEOUT = 30.0
@@ -125,6 +129,7 @@ class ProcessState:
         # comes, a thread stands by to enforce scopes in-process should it never come.
         self.welcome_in_background = False
         self.standby: threading.Thread | None = None
+        self.standby_socket: socket.socket | None = None  # what the thread waits on
         self.standby_ended = False  # close() was called: a standby thread ends quietly
         self.lose_lock = threading.Lock()
         # Free slots. A deque: a list that a loop's one scope empties and fills again
@@ -280,9 +285,9 @@ class ProcessState:
             return
         # A descriptor of its own: the thread never reads, or closes, the one this
         # process sends on.
-        watched = socket.socket(fileno=os.dup(sock.fileno()))
+        watched = self.standby_socket = socket.socket(fileno=os.dup(sock.fileno()))
         self.standby = threading.Thread(
-            target=self._await_welcome, args=(watched,), name="elastic-timer-standby", daemon=True
+            target=self._await_welcome, args=(watched,), name=f"{THREAD_PREFIX}standby", daemon=True
         )
         self.standby.start()
 
@@ -323,10 +328,11 @@ class ProcessState:
         before (a pytest session run inside a test of another ends this way)."""
         self.standby_ended = True
         standby = self.standby
-        if standby is not None and self.sock is not None:
-            # Its select returns: our end of the connection reads end-of-file now.
+        if standby is not None and standby.is_alive() and self.standby_socket is not None:
+            # Its select returns: the connection reads end-of-file now (whether or not
+            # this process has closed its own descriptor of it already).
             with contextlib.suppress(OSError):
-                self.sock.shutdown(socket.SHUT_RDWR)
+                self.standby_socket.shutdown(socket.SHUT_RDWR)
         self._close_socket()
         atexit.unregister(self._close_socket)
         if standby is not None and standby is not threading.current_thread():
@@ -608,7 +614,9 @@ class Sentinel:
         self.cond = threading.Condition()
         self.fired: set[int] = set()
         self.stopped = False
-        self.thread = threading.Thread(target=self._run, name="elastic-timer-sentinel", daemon=True)
+        self.thread = threading.Thread(
+            target=self._run, name=f"{THREAD_PREFIX}sentinel", daemon=True
+        )
         self.thread.start()
 
     def wake(self) -> None:
