@@ -16,6 +16,13 @@ therefore run under several heap layouts, one per ``PYTHONHASHSEED`` (which chan
 order of allocations at import), every configuration under the same seeds; the
 overhead is the median over the seeds of each seed's ratio to plain pytest.
 
+pytest does not wait for the watchdog to come up, and under valgrind the watchdog's
+start takes as long as some hundreds of tests: it would overlap the tests of the short
+run and not those of the long one, and what the watchdog's arrival costs (its first
+scans, the session's sync at the end) would land in the slope. So the suite's conftest
+waits for it once, before the first test, through the ``elastic_timer_server`` fixture's
+``pid`` (where the plugin is loaded), and start-up cancels again.
+
 Every run has ``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1`` and loads exactly the plugins it
 measures with ``-p`` (unrelated installed plugins such as hypothesis's would otherwise
 add a second of imports to every start) and ``PYTHONDONTWRITEBYTECODE=1`` (so each run
@@ -80,9 +87,22 @@ def _env(seed: int = 0) -> dict[str, str]:
     )
 
 
+CONFTEST = """
+import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def watchdog_up(request):
+    if request.config.pluginmanager.hasplugin("elastic_timer"):
+        assert request.getfixturevalue("elastic_timer_server").pid  # its answer, waited for
+"""
+
+
 def make_suite(root: str, n: int) -> str:
     directory = os.path.join(root, f"tests{n}")
     os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "conftest.py"), "w") as f:
+        f.write(CONFTEST)
     with open(os.path.join(directory, "test_trivial.py"), "w") as f:
         for i in range(n):
             f.write(f"def test_{i}():\n    pass\n\n\n")
