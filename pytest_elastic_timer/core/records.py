@@ -168,11 +168,17 @@ def shown_file(file: str, rootdir: str = "") -> str:
 
 
 def format_record(
-    record: ExpiryRecord, *, with_stack: bool = True, rootdir: str = "", full_stack: bool = True
+    record: ExpiryRecord,
+    *,
+    with_stack: bool = True,
+    rootdir: str = "",
+    full_stack: bool = True,
+    hint: str = stacks.HINT,
 ) -> str:
     """A multi-line text block for terminals: summary, where, who, then the stack.
     ``rootdir``: files under it are shown relative to it; ``full_stack=False`` leaves
-    out the runner's frames that lead to the test (:func:`stacks.trim_stack`)."""
+    out the runner's frames that lead to the test (:func:`stacks.trim_stack`), saying
+    where to see them in ``hint``."""
     lines = [record.line_text()]
     if record.nodeid:
         lines.append(f"  test:    {record.nodeid}")
@@ -190,7 +196,7 @@ def format_record(
         names = ", ".join(f"{p.get('pid')} ({p.get('name', '?')})" for p in record.killed)
         lines.append(f"  ended:   {names}")
     if with_stack and record.stack:
-        stack = record.stack if full_stack else stacks.trim_stack(record.stack)
+        stack = record.stack if full_stack else stacks.trim_stack(record.stack, hint)
         lines.append("  stack:")
         lines.extend("    " + s for s in stack.rstrip().splitlines())
     return "\n".join(lines)

@@ -88,9 +88,9 @@ def _test_frame(files: list[str]) -> int:
     return next((n for n in range(start, len(files)) if not runner[n]), 0)
 
 
-def trim_stack(text: str) -> str:
+def trim_stack(text: str, hint: str = HINT) -> str:
     """``text`` with the runner's frames at the outer end of each stack left out, and a
-    line that says how many there were."""
+    line that says how many there were and, in ``hint``, where to see them."""
     lines = text.splitlines()
     out: list[str] = []
     i = 0
@@ -125,7 +125,7 @@ def trim_stack(text: str) -> str:
                 hidden += int(outer[1])
                 i += 1
         kept = frames[cut:]
-        note = [f"{indent}... {hidden} outer frames of pytest and its plugins ({HINT})"]
+        note = [f"{indent}... {hidden} outer frames of pytest and its plugins ({hint})"]
         if recent_first:
             kept.reverse()
             out.extend(line for frame in kept for line in frame)

@@ -110,8 +110,12 @@ class Recorder:
         try:
             title = " elastic-timer: expired scopes (pytest was ended) "
             out.write("\n" + "=" * 20 + title + "=" * 20 + "\n")
+            # Whole stacks are in the JSON report; pytest, which could show them with
+            # --full-trace, is gone.
+            hint = "the JSON report has them" if report_path else "not shown"
             for record in self.records:
-                out.write(records.format_record(record) + "\n\n")
+                text = records.format_record(record, full_stack=False, hint=hint)
+                out.write(text + "\n\n")
             if report_path:
                 out.write(f"elastic-timer: JSON report written to {report_path}\n")
             out.flush()
