@@ -1009,12 +1009,11 @@ def test_a_watchdog_that_never_starts_leaves_scopes_in_process(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The plugin does not wait for its watchdog to come up. One that never does
-    closes the socket the plugin made for it by exiting: the session's first deadline
-    reads end-of-file instead of the watchdog's answer, and the scope is enforced
+    closes the socket the plugin made for it by exiting: the standby thread of the
+    session's first deadline reads end-of-file instead of the watchdog's answer, and
+    the scope is enforced
     in-process, with the warning, and the session fails for the lost guarantees."""
-    site = pytester.mkdir("site")
-    (site / "sitecustomize.py").write_text(NO_WATCHDOG_SITE)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    _watchdog_site(pytester, monkeypatch, NO_WATCHDOG_SITE)
     pytester.makepyfile(
         test_hang="""
         import time
@@ -1044,18 +1043,25 @@ if "pytest_elastic_timer.watchdog" in sys.orig_argv:
 """
 
 
+def _watchdog_site(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, source: str) -> None:
+    """Inner sessions' processes run ``source`` as their sitecustomize (it looks at
+    ``sys.orig_argv`` to act in the watchdog alone)."""
+    site = pytester.mkdir("site")
+    (site / "sitecustomize.py").write_text(source)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+
+
 def _gated_watchdog(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Path:
     """The inner session's watchdog comes up only once the returned file exists."""
-    site = pytester.mkdir("site")
-    (site / "sitecustomize.py").write_text(GATED_WATCHDOG_SITE)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    _watchdog_site(pytester, monkeypatch, GATED_WATCHDOG_SITE)
     gate = pytester.path / "gate"
     monkeypatch.setenv("WATCHDOG_GATE", str(gate))
     return gate
 
 
-def _watchdog_pid(result: pytest.RunResult) -> int:
-    (pid,) = [int(m.group(1)) for m in map(HEADER.match, result.outlines) if m]
+def _watchdog_pid(lines: list[str]) -> int:
+    """The watchdog's pid, from the one report header among ``lines``."""
+    (pid,) = [int(m.group(1)) for m in map(HEADER.match, lines) if m]
     return pid
 
 
@@ -1079,7 +1085,7 @@ def test_a_session_never_waits_for_its_watchdog_to_come_up(
     )
     result = pytester.runpytest_subprocess(*LEAN)
     result.assert_outcomes(passed=1)
-    watchdog = _watchdog_pid(result)
+    watchdog = _watchdog_pid(result.outlines)
     assert not gate.exists()  # the whole session ran before the watchdog came up
     assert psutil.pid_exists(watchdog)
     gate.touch()
@@ -1208,7 +1214,7 @@ def test_a_piped_session_ends_while_its_watchdog_still_works(pytester: pytest.Py
         )
     output = done.stdout.decode()
     assert done.returncode == 0, output
-    (watchdog,) = [int(m.group(1)) for m in map(HEADER.match, output.splitlines()) if m]
+    watchdog = _watchdog_pid(output.splitlines())
     # Still at work, its files open: not a process in the middle of exiting, which
     # is when a watchdog that kept the pipe would let it go.
     assert os.listdir(f"/proc/{watchdog}/fd"), "the watchdog kept the pipe to its end"

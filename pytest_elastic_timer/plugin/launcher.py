@@ -222,13 +222,10 @@ def start(
     address = os.path.join(directory, SOCKET_NAME)
     env = _watchdog_env()
     fifo = os.path.join(directory, startup.TORCH_TIMER_FIFO)
+    fifo_fd = -1
     try:
         os.mkfifo(fifo, 0o600)
         fifo_fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
-    except BaseException:
-        shutil.rmtree(directory, ignore_errors=True)
-        raise
-    try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as listener:
             listener.bind(address)
             os.chmod(address, 0o600)
@@ -255,7 +252,8 @@ def start(
         shutil.rmtree(directory, ignore_errors=True)
         raise
     finally:
-        os.close(fifo_fd)  # the watchdog's now
+        if fifo_fd >= 0:
+            os.close(fifo_fd)  # the watchdog's now
     pidfd = -1
     if _pidfd_open is not None:
         with contextlib.suppress(OSError):

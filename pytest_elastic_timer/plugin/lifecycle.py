@@ -91,15 +91,13 @@ def stop_watchdog(config: pytest.Config, state: SessionState, end: dict[str, Any
     # Files the user reads after pytest: the JSON report, and the JUnit file, which is
     # the watchdog's only if pytest died (waited for all the same).
     files = bool(state.settings.report or config.getoption("xmlpath", None))
-    if files or not state.ends_with_its_process:
-        # A session run in-process inside another pytest (pytester) leaves that
-        # process as it found it: no child to reap later, no pidfd open.
-        if not files and _not_up_and_alone(state):
-            state.watchdog.discard()  # waiting would cost its whole start-up
-        else:
-            state.watchdog.stop(end, wait=True)
+    # A session run in-process inside another pytest (pytester) leaves that process as
+    # it found it: no child to reap later, no pidfd open.
+    nested = not state.ends_with_its_process
+    if nested and not files and _not_up_and_alone(state):
+        state.watchdog.discard()  # waiting would cost its whole start-up
     else:
-        state.watchdog.stop(end, wait=False)
+        state.watchdog.stop(end, wait=files or nested)
 
 
 def _not_up_and_alone(state: SessionState) -> bool:
