@@ -8,6 +8,7 @@ period of the outer session, so the outer watchdog never escalates past the inte
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import os
 import pickle
@@ -15,13 +16,16 @@ import signal
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import pytest_elastic_timer as et
+from pytest_elastic_timer.core import afterfork
 from pytest_elastic_timer.scope import delivery, scopes
 
 EARLY = delivery.EARLY  # a signal is honoured this much before a deadline
@@ -415,6 +419,53 @@ def test_set_label_names_the_process() -> None:
         assert info.value.label == "rank 3"
     finally:
         et.set_label(old)
+
+
+_CHILD_OWNS_ITS_SCOPE = 0  # exit codes of the forked child below
+_CHILD_SAW_PARENT_SCOPES = 2
+_CHILD_WRONG_EXPIRY = 3
+
+
+def _scope_in_forked_child() -> int:
+    """In a forked child: the exit code that says whether it started with no scope
+    state of its parent's and owned an expiry of its own."""
+    if scopes.current_scope() is not None or scopes.current_state() is not None:
+        return _CHILD_SAW_PARENT_SCOPES
+    try:
+        with et.expires(0.2, scope="child"):
+            _sleep_until_expired()
+    except et.ScopeExpired as exc:
+        if exc.scope == "child" and exc.pid == os.getpid():
+            return _CHILD_OWNS_ITS_SCOPE
+    return _CHILD_WRONG_EXPIRY
+
+
+def test_a_forked_child_owns_its_scopes_and_its_parent_keeps_its_own() -> None:
+    with et.expires(30, scope="parent") as parent:
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child leaves through os._exit
+            code = 1
+            try:
+                code = _scope_in_forked_child()
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == _CHILD_OWNS_ITS_SCOPE
+        assert scopes.current_scope() is parent
+        assert _open_in_table(parent) == [parent.path]
+    assert not parent.expired()
+
+
+def test_fork_callbacks_are_held_weakly() -> None:
+    # A callback must not keep its module alive to the interpreter's last clean-up
+    # step (core/afterfork.py says why): once its module lets go of it, it is gone.
+    namespace: dict[str, Any] = {}
+    exec("def forget():\n    pass\n", namespace)
+    held = weakref.ref(namespace["forget"])
+    afterfork.call_in_child(namespace["forget"])
+    namespace.clear()
+    gc.collect()
+    assert held() is None
 
 
 # -- properties of nesting -----------------------------------------------------------

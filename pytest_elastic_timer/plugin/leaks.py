@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from pytest_elastic_timer.core import afterfork
 from pytest_elastic_timer.scope import client
 
 if TYPE_CHECKING:
@@ -178,8 +179,7 @@ def _forget_after_fork() -> None:
     _main_children[0] = -1
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_after_fork)
+afterfork.call_in_child(_forget_after_fork)
 
 
 def pids_of(listing: bytes) -> set[int]:

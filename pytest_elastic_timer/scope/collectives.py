@@ -36,8 +36,8 @@ from collections.abc import Callable
 from types import CodeType, FrameType, ModuleType
 from typing import Any
 
+from pytest_elastic_timer.core import afterfork, unpatched
 from pytest_elastic_timer.core import collectives as ring_format
-from pytest_elastic_timer.core import unpatched
 from pytest_elastic_timer.scope import ranklabel
 
 ENV_ADDRESS = "PYTEST_ELASTIC_TIMER"  # the session's watchdog socket, in its directory
@@ -552,7 +552,7 @@ def install() -> bool:
             setattr(dist, name, wrapped)
     _recorder = Recorder(dist)
     atexit.register(_at_exit)
-    os.register_at_fork(after_in_child=_after_fork)
+    afterfork.call_in_child(_after_fork)
     return True
 
 

@@ -27,8 +27,8 @@ from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any
 
+from pytest_elastic_timer.core import afterfork, unpatched
 from pytest_elastic_timer.core import table as tbl
-from pytest_elastic_timer.core import unpatched
 from pytest_elastic_timer.scope import client
 
 STACK_FRAMES = 25  # innermost frames kept in a reported stack
@@ -122,8 +122,7 @@ def _forget_after_fork() -> None:
     _pending.clear()  # the child has none of its parent's threads
 
 
-if hasattr(os, "register_at_fork"):  # POSIX; on Windows nothing forks
-    os.register_at_fork(after_in_child=_forget_after_fork)
+afterfork.call_in_child(_forget_after_fork)
 
 
 # -- asyncio -------------------------------------------------------------------------

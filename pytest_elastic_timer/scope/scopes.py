@@ -26,6 +26,7 @@ from time import monotonic
 from types import FrameType, TracebackType
 from typing import Any
 
+from pytest_elastic_timer.core import afterfork
 from pytest_elastic_timer.core import table as tbl
 from pytest_elastic_timer.core.seconds import check_seconds
 from pytest_elastic_timer.scope import client, delivery, ranklabel
@@ -175,8 +176,7 @@ def _forget_after_fork() -> None:
     _detached.clear()
 
 
-if hasattr(os, "register_at_fork"):  # POSIX; on Windows nothing forks
-    os.register_at_fork(after_in_child=_forget_after_fork)
+afterfork.call_in_child(_forget_after_fork)
 
 
 def _check_budget(value: object, what: str) -> float | None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import Any
 
-from pytest_elastic_timer.core import unpatched, wire
+from pytest_elastic_timer.core import afterfork, unpatched, wire
 from pytest_elastic_timer.core.seconds import check_seconds
 from pytest_elastic_timer.scope import client, scopes
 from pytest_elastic_timer.scope.scopes import ScopeExpired
@@ -48,7 +48,7 @@ def _forget_after_fork() -> None:
     _open_lock = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_forget_after_fork)
+afterfork.call_in_child(_forget_after_fork)
 
 
 @dataclass(frozen=True)
