@@ -8,6 +8,9 @@ reports the median over the chunks of the time per scope.
 Variants:
 - ``empty``: ``with Empty():`` on a class with empty ``__enter__``/``__exit__`` (floor)
 - ``slot``: one 64-byte ``struct.pack_into`` into an mmap plus one word cleared (floor)
+- ``bare``: a context manager that does only what any pure-Python scope must: build an
+  object, read the clock, write and clear a slot, push and pop a stack, compare the
+  deadline at exit (no call site, no name, no nesting rules, no reuse checks) (floor)
 - ``ours``: ``with pytest_elastic_timer.expires(30):`` with a real watchdog attached
 - ``ours_sentinel``: the same without a watchdog (in-process sentinel thread)
 - ``torch_local``: torch ``expires(after=30, scope=..., client=LocalTimerClient(q))``,
@@ -35,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common
 
 GROUPS = {
-    "floors": ["empty", "slot"],
+    "floors": ["empty", "slot", "bare"],
     "ours": ["ours", "ours_construct", "ours_reuse"],
     "ours_sentinel": ["ours_sentinel"],
     "torch_local": ["torch_local", "torch_local_stack"],
@@ -44,6 +47,7 @@ GROUPS = {
 LABELS = {
     "empty": "empty Python context manager (floor)",
     "slot": "64-byte slot write into shared memory + clear (floor)",
+    "bare": "the least a pure-Python scope does: object, clock, slot, stack (floor)",
     "ours": "`pytest_elastic_timer.expires(30)`, watchdog attached",
     "ours_construct": "  of which: `expires(30)` alone (building the TimerRequest, no enter/exit)",
     "ours_reuse": "  of which: enter+exit of one TimerRequest built once (`with scope:`)",
@@ -94,7 +98,36 @@ def _setup_floors() -> dict[str, Any]:
             except Exception as exc:
                 errors[type(exc).__name__] += 1
 
-    return {"runners": {"empty": empty, "slot": slot_write}, "info": {}}
+    stack: list[Bare] = []
+
+    class Bare:
+        __slots__ = ("after", "deadline")
+
+        def __init__(self, after: float) -> None:
+            self.after = after
+
+        def __enter__(self) -> Bare:
+            now = monotonic()
+            deadline = self.deadline = now + self.after
+            pack(mm, 64, 1, deadline, now, 1, 2, 3, 4, 0.0, 0, 0, 0, 1)
+            stack.append(self)
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            stack.pop()
+            words[8] = 0
+            if monotonic() > self.deadline:
+                raise TimeoutError
+
+    def bare(n: int, errors: collections.Counter[str]) -> None:
+        for _ in range(n):
+            try:
+                with Bare(30.0):
+                    pass
+            except Exception as exc:
+                errors[type(exc).__name__] += 1
+
+    return {"runners": {"empty": empty, "slot": slot_write, "bare": bare}, "info": {}}
 
 
 def _setup_ours(attached: bool) -> dict[str, Any]:
