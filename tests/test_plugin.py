@@ -997,6 +997,43 @@ def test_a_session_imports_only_the_ci_outputs_it_uses(
     assert f"CI MODULES {ci}.junit {ci}.junit_fallback" in junit.lines
 
 
+FAILURE_MODULES = (
+    "pytest_elastic_timer.core.records",
+    "pytest_elastic_timer.core.stacks",
+    "pytest_elastic_timer.core.hostlink",
+    "pytest_elastic_timer.plugin.expiry",
+    "pytest_elastic_timer.plugin.xdist_support",
+    "pytest_elastic_timer.plugin.remote_hosts",
+)
+FAILURE_MODULES_CONFTEST = f"""
+import sys
+
+
+def pytest_unconfigure(config):
+    loaded = [m for m in {FAILURE_MODULES!r} if m in sys.modules]
+    print("FAILURE MODULES", " ".join(loaded))
+"""
+
+
+def test_a_passing_session_loads_no_failure_machinery(pytester: pytest.Pytester) -> None:
+    # The modules that read records and make failed reports load with the first
+    # failure or expiry, and the xdist ones only where xdist runs the tests.
+    pytester.makeconftest(FAILURE_MODULES_CONFTEST)
+    pytester.makepyfile(
+        test_one="import time\n\ndef test_one():\n    time.sleep(0.3)\n",
+        test_fails="def test_fails():\n    assert False\n",
+    )
+    # Every plugin of this environment loaded, pytest-xdist too (not used: no -n).
+    passing = run(pytester, "test_one.py", report=False, lean=False)
+    passing.result.assert_outcomes(passed=1)
+    assert "FAILURE MODULES " in passing.lines  # none, though the watchdog answered
+    failing = run(pytester, "test_fails.py", report=False)
+    failing.result.assert_outcomes(failed=1)
+    loaded = next(line for line in failing.lines if line.startswith("FAILURE MODULES"))
+    assert "pytest_elastic_timer.plugin.expiry" in loaded.split()
+    assert "pytest_elastic_timer.core.hostlink" not in loaded.split()
+
+
 # -- start-up: nobody waits for the watchdog ---------------------------------------------
 NO_WATCHDOG_SITE = """
 import os, sys

@@ -3,9 +3,9 @@ processes the test started (and for torch.distributed ranks of the test that die
 collective), the scope's facts as ``user_properties``, the ``TIMEOUT``
 status, and the plugin's ``pytest_elastic_timer_expired`` hook.
 
-Nothing here runs for a passing test: :func:`watch_failures` registers these plugins
-once a test fails or a scope expires (always in an xdist controller, whose workers'
-failures arrive at any time).
+Nothing here runs, nor is imported, for a passing test: :func:`register_reports`
+registers these plugins once a test fails or a scope expires (always in an xdist
+controller, whose workers' failures arrive at any time).
 """
 
 from __future__ import annotations
@@ -156,8 +156,10 @@ class FailedReports:
         return None
 
 
-def watch_failures(config: pytest.Config) -> None:
-    """From now on, failed reports are looked at (a test failed, or a scope expired)."""
+def register_reports(config: pytest.Config) -> None:
+    """From now on, failed reports are looked at (a test failed, or a scope expired):
+    :func:`running.watch_failures <pytest_elastic_timer.plugin.running.watch_failures>`
+    calls this."""
     manager = config.pluginmanager
     if not manager.has_plugin(ExpiryReports.NAME):
         manager.register(ExpiryReports(), ExpiryReports.NAME)

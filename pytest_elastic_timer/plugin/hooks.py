@@ -13,18 +13,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Generator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_elastic_timer.core import records, torch_hook
-from pytest_elastic_timer.plugin import hookspecs, leaks, lifecycle, running, xdist_support
+from pytest_elastic_timer.core import torch_hook
+from pytest_elastic_timer.plugin import hookspecs, leaks, lifecycle, running
 from pytest_elastic_timer.plugin.budgets import BudgetBook, Budgets
-from pytest_elastic_timer.plugin.expiry import watch_failures
 from pytest_elastic_timer.plugin.fixtures import elastic_timer as elastic_timer
 from pytest_elastic_timer.plugin.fixtures import elastic_timer_server as elastic_timer_server
 from pytest_elastic_timer.plugin.hookspecs import SessionFacts
 from pytest_elastic_timer.plugin.options import MARKER, add_options, read_settings
+from pytest_elastic_timer.plugin.running import watch_failures
 from pytest_elastic_timer.plugin.state import (
     SESSION,
     SessionState,
@@ -34,6 +34,9 @@ from pytest_elastic_timer.plugin.state import (
     uses_xdist,
 )
 from pytest_elastic_timer.scope import scopes
+
+if TYPE_CHECKING:
+    from pytest_elastic_timer.core import records
 
 # The CI outputs, by the condition under which a session uses them.
 CI_SLOW = "pytest_elastic_timer.ci.slow"
@@ -76,11 +79,14 @@ def pytest_configure(config: pytest.Config) -> None:
 
     state.expiry_listener = on_expiry
     scopes.expiry_listeners.append(state.expiry_listener)
-    manager = config.pluginmanager
-    if manager.hasplugin("xdist"):
-        manager.register(xdist_support, "elastic_timer_xdist")
+    if _runs_xdist(config):
+        from pytest_elastic_timer.plugin import xdist_support
+
+        config.pluginmanager.register(xdist_support, "elastic_timer_xdist")
     state.leave_leaks = leaks.enter_session(adopt=settings.leaks != "off")
     if is_worker(config):
+        from pytest_elastic_timer.plugin import xdist_support
+
         xdist_support.configure_worker(config)
         state.put_back_scopes = scopes.set_aside()
         # PYTEST_CURRENT_TEST inherited from an outer session (a pytest run by a test)
@@ -92,6 +98,15 @@ def pytest_configure(config: pytest.Config) -> None:
     if state.watchdog is not None:
         scopes.process_state().set_nodeid("")  # register now; not the outer session's test
         torch_hook.watch()  # torch.distributed's ops in this process are recorded too
+
+
+def _runs_xdist(config: pytest.Config) -> bool:
+    """Whether this process is an xdist worker, or a controller that will start some
+    (xdist settles ``--dist`` from ``-n`` before any ``pytest_configure``); only then
+    are the xdist hooks (:mod:`.xdist_support`) loaded and registered."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return False
+    return is_worker(config) or config.getoption("dist", "no") != "no"
 
 
 def _register_ci_outputs(config: pytest.Config, state: SessionState) -> None:

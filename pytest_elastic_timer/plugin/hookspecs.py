@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_elastic_timer.core.records import ExpiryRecord
+if TYPE_CHECKING:
+    from pytest_elastic_timer.core.records import ExpiryRecord
 
 hookspec = pytest.hookspec
 

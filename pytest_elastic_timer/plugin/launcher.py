@@ -13,10 +13,13 @@ import socket
 import sys
 import tempfile
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pytest_elastic_timer.core import hostid, hostlink, startup, unpatched, wire
+from pytest_elastic_timer.core import hostid, startup, unpatched, wire
 from pytest_elastic_timer.scope import client
+
+if TYPE_CHECKING:
+    from pytest_elastic_timer.core import hostlink
 
 STOP_TIMEOUT = 15.0
 
@@ -322,6 +325,8 @@ def join_host(
 ) -> HostWatchdog:
     """Join the watchdog of session ``token`` on this host; the first worker of the
     session here starts it (under a lock, so that the host gets one)."""
+    from pytest_elastic_timer.core import hostlink  # only a worker on another host
+
     identity = hostid.current()
     directory = hostid.host_directory(token, identity)
     sweep_stale(_session_root_dir())  # left by watchdogs of this host killed earlier

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from pytest_elastic_timer.core import records, startup, unpatched
+from pytest_elastic_timer.core import startup, unpatched
 from pytest_elastic_timer.plugin import launcher, leaks
 from pytest_elastic_timer.plugin.hookspecs import SessionFacts
 from pytest_elastic_timer.plugin.state import SESSION, SessionState, is_worker, uses_xdist
@@ -254,6 +254,8 @@ def report_without_watchdog(
         "watchdog_lost": lost,
         **end,
     }
+    from pytest_elastic_timer.core import records  # see state.py
+
     found = records.read_records(state.watchdog.records_path)
     try:
         records.write_report(settings.report, found, session)

@@ -17,7 +17,6 @@ import pytest
 from pytest_elastic_timer.core import unpatched
 from pytest_elastic_timer.plugin import leaks
 from pytest_elastic_timer.plugin.budgets import Budgets
-from pytest_elastic_timer.plugin.expiry import watch_failures
 from pytest_elastic_timer.plugin.lifecycle import watchdog_lost
 from pytest_elastic_timer.plugin.state import SESSION, SessionState
 from pytest_elastic_timer.scope import scopes
@@ -26,6 +25,18 @@ from pytest_elastic_timer.scope.scopes import TimerRequest
 # A test may replace time's functions with mocks, and what the plugin does inside that
 # test (or inside a session that test runs) must not call them.
 _monotonic = unpatched.monotonic
+
+
+def watch_failures(config: pytest.Config) -> None:
+    """From now on, failed reports are looked at (a test failed, or a scope expired).
+
+    The modules that make those reports (:mod:`.expiry`, and :mod:`.xdist_support` and
+    the records it reads) are imported here, at the first failure: a session whose
+    tests pass never loads them.
+    """
+    from pytest_elastic_timer.plugin import expiry
+
+    expiry.register_reports(config)
 
 
 class RunningTest:

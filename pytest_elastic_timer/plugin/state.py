@@ -6,15 +6,21 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import pytest
 
-from pytest_elastic_timer.core import records, stacks, unpatched
+from pytest_elastic_timer.core import unpatched
 from pytest_elastic_timer.plugin import launcher
 from pytest_elastic_timer.plugin.budgets import BudgetBook
 from pytest_elastic_timer.plugin.options import Settings
 from pytest_elastic_timer.scope import scopes
 from pytest_elastic_timer.scope.scopes import TimerRequest
+
+if TYPE_CHECKING:
+    # Loaded where a record is read or shown: a session in which nothing expired
+    # never loads the records (nor the stacks) module.
+    from pytest_elastic_timer.core import records
 
 
 @dataclass
@@ -100,6 +106,8 @@ def record_text(
 ) -> str:
     """``record`` as the terminal shows it: files relative to rootdir, the stack
     trimmed unless :func:`full_stacks`."""
+    from pytest_elastic_timer.core import records
+
     return records.format_record(
         record,
         with_stack=with_stack,
@@ -110,6 +118,8 @@ def record_text(
 
 def stack_text(config: pytest.Config, stack: str) -> str:
     """A stack as the terminal shows it (see :func:`full_stacks`)."""
+    from pytest_elastic_timer.core import stacks
+
     return stack if full_stacks(config) else stacks.trim_stack(stack)
 
 
@@ -132,4 +142,8 @@ def expiry_records(config: pytest.Config) -> list[records.ExpiryRecord]:
         # record to settle. Nothing waits for it to start only to hear that.
         return []
     process.request("sync")
+    if not os.path.exists(path):
+        return []  # the watchdog makes the file with its first record
+    from pytest_elastic_timer.core import records
+
     return records.read_records(path)
