@@ -492,11 +492,10 @@ assert et.barrier("alone", 1, 5) == 0
 IMPORTED = re.compile(r"^import time:\s+\d+ \|\s+\d+ \|\s*(\S+)$", re.MULTILINE)
 
 
-def test_the_watchdog_process_imports_nothing_of_pytest() -> None:
-    """A real watchdog process, started as the launcher starts it but with the
-    interpreter's own import log on (``-X importtime``), serves a client whose scope
-    expires and which passes a barrier, then ends its session: not one module of
-    pytest (or of pluggy, which only pytest loads) was imported at any moment."""
+def _modules_of_a_watchdog_serving(client: str) -> set[str]:
+    """Every module a real watchdog process imported (``-X importtime``), started as
+    the launcher starts it, while it served ``client`` (a program) and ended its
+    session."""
     directory = tempfile.mkdtemp(prefix="pet-unit-")
     watchdog = subprocess.Popen(
         [
@@ -514,7 +513,7 @@ def test_the_watchdog_process_imports_nothing_of_pytest() -> None:
         assert (ready, int(pid)) == ("ready", watchdog.pid)
         env = {**os.environ, ENV_ADDRESS: address}
         env.pop(ENV_DUMP_SIGNAL, None)
-        subprocess.run([sys.executable, "-c", CLIENT], env=env, check=True, timeout=60)
+        subprocess.run([sys.executable, "-c", client], env=env, check=True, timeout=60)
         _, log = watchdog.communicate('{"op": "stop", "session": {}}\n', timeout=30)
     finally:
         if watchdog.poll() is None:
@@ -524,7 +523,16 @@ def test_the_watchdog_process_imports_nothing_of_pytest() -> None:
     assert watchdog.returncode == 0, log
     imported = set(IMPORTED.findall(log))
     assert {"pytest_elastic_timer.watchdog.server", "psutil"} <= imported  # the log works
+    return imported
+
+
+def test_the_watchdog_process_imports_nothing_of_pytest() -> None:
+    """A watchdog that serves a client whose scope expires and which passes a barrier
+    did not import one module of pytest (or of pluggy, which only pytest loads) at any
+    moment."""
+    imported = _modules_of_a_watchdog_serving(CLIENT)
     assert "pytest_elastic_timer.sync.server" in imported
+    assert "pytest_elastic_timer.core.collectives" in imported  # read for the record
     pytest_modules = {
         name
         for name in imported
@@ -532,6 +540,20 @@ def test_the_watchdog_process_imports_nothing_of_pytest() -> None:
         or name.startswith("pytest_elastic_timer.plugin")
     }
     assert pytest_modules == set()
+
+
+QUIET_CLIENT = """
+import pytest_elastic_timer as et
+with et.expires(30, scope="in time"):
+    pass
+"""
+
+
+def test_a_watchdog_loads_the_primitives_and_the_rings_only_when_used() -> None:
+    # They would cost its start-up, which pytest's output waits for.
+    imported = _modules_of_a_watchdog_serving(QUIET_CLIENT)
+    assert "pytest_elastic_timer.sync.server" not in imported
+    assert "pytest_elastic_timer.core.collectives" not in imported
 
 
 # -- process identity --------------------------------------------------------------

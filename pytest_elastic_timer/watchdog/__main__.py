@@ -12,6 +12,7 @@ binds the socket itself. This is the only module that knows both the watchdog an
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -19,15 +20,54 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pytest_elastic_timer.sync.server import SyncServer
+from pytest_elastic_timer.sync import protocol
 from pytest_elastic_timer.watchdog import proctree, remote_host
 from pytest_elastic_timer.watchdog.file_timer import FileTimerIntake
 from pytest_elastic_timer.watchdog.forwarded import ForwardedRecords
 from pytest_elastic_timer.watchdog.loop import Clock
 from pytest_elastic_timer.watchdog.remote_host import HostRole
 from pytest_elastic_timer.watchdog.server import Terminated, Watchdog
+
+if TYPE_CHECKING:
+    from pytest_elastic_timer.sync.server import Handler, SyncServer
+
+
+class SyncIntake:
+    """The server of barriers, events and locks, made at the session's first call of
+    one: most sessions make none, and its modules would cost every watchdog's start-up
+    some 5 ms, while pytest's output waits for the watchdog to come up and let go of
+    it."""
+
+    def __init__(self, dog: Watchdog) -> None:
+        self.dog = dog
+        self.server: SyncServer | None = None
+        self._handlers: dict[str, Handler] = {}
+        for op in protocol.OPS:
+            dog.handle(op, functools.partial(self._first_call, op))
+        dog.on_disconnect(self.disconnected)
+
+    def _first_call(
+        self, op: str, conn: socket.socket, peer_pid: int, fields: dict[str, Any]
+    ) -> None:
+        if self.server is None:
+            from pytest_elastic_timer.sync.server import SyncServer
+
+            self.server = SyncServer(self.dog)
+            self._handlers = self.server.handlers()
+            for name, handler in self._handlers.items():
+                self.dog.handle(name, handler)  # the calls after this one go straight to it
+        self._handlers[op](conn, peer_pid, fields)
+
+    @property
+    def calls(self) -> dict[socket.socket, tuple[str, str, Any]]:
+        """The open calls: connection -> (kind, name, waiter)."""
+        return self.server.calls if self.server is not None else {}
+
+    def disconnected(self, conn: socket.socket) -> None:
+        if self.server is not None:
+            self.server.disconnected(conn)
 
 
 @dataclass
@@ -36,7 +76,7 @@ class Assembly:
 
     dog: Watchdog
     file_timers: FileTimerIntake
-    sync: SyncServer
+    sync: SyncIntake
     # The watchdog of a host other than the controller's has its role there; the
     # controller's takes in the records of the others.
     remote: HostRole | None = None
@@ -70,10 +110,7 @@ def build(
     file_timers = FileTimerIntake(dog, directory, fifo_fd)
     dog.add_reader(file_timers.read_fd, file_timers.readable)
     dog.on_finish(file_timers.close)
-    sync = SyncServer(dog)
-    for op, handler in sync.handlers().items():
-        dog.handle(op, handler)
-    dog.on_disconnect(sync.disconnected)
+    sync = SyncIntake(dog)
     if junit_xml:
         dog.on_finish(lambda: _junit_if_pytest_died(dog, junit_xml))
     remote = None

@@ -12,8 +12,10 @@ the record of a rank that was killed.
 
 from __future__ import annotations
 
-from pytest_elastic_timer.core import collectives
-from pytest_elastic_timer.core.records import ExpiryRecord
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pytest_elastic_timer.core.records import ExpiryRecord
 
 
 class CollectivesAmender:
@@ -26,6 +28,10 @@ class CollectivesAmender:
     def __call__(self, record: ExpiryRecord) -> None:
         if record.host:
             return  # another host's processes: their rings are on that host
+        # Loaded with the first record: the watchdog of a session in which nothing
+        # expires never reads a ring, and comes up sooner without it.
+        from pytest_elastic_timer.core import collectives
+
         pids = [record.pid, *(int(c["pid"]) for c in record.children if "pid" in c)]
         labels = collectives.labels(self.directory, pids)
         for child in record.children:
