@@ -17,14 +17,12 @@ import hashlib
 import os
 import socket
 import tempfile
-from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 HOST_DIR_PREFIX = "pytest-elastic-timer-host-"
 
 
-@dataclass(frozen=True)
-class HostIdentity:
+class HostIdentity(NamedTuple):
     """What tells one host from another: host name, boot id, pid namespace."""
 
     hostname: str
@@ -45,14 +43,14 @@ class HostIdentity:
         return self == other and all((self.hostname, self.boot_id, self.pid_namespace))
 
     def to_json(self) -> dict[str, str]:
-        return asdict(self)
+        return self._asdict()
 
     @classmethod
     def from_json(cls, data: Any) -> HostIdentity | None:
         """The identity in ``data`` (as :meth:`to_json` made it), or None if malformed."""
         if not isinstance(data, dict):
             return None
-        hostname, boot_id, namespace = (data.get(k) for k in cls.__dataclass_fields__)
+        hostname, boot_id, namespace = (data.get(k) for k in cls._fields)
         if not (isinstance(hostname, str) and isinstance(boot_id, str)):
             return None
         if not isinstance(namespace, str):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -15,8 +15,7 @@ from pytest_elastic_timer.core.seconds import parse_seconds
 MARKER_KEYWORDS = ("seconds", "setup", "teardown", "grace")
 
 
-@dataclass(frozen=True)
-class Budgets:
+class Budgets(NamedTuple):
     """One test's phase budgets in seconds (None = unbounded), before scaling."""
 
     setup: float | None

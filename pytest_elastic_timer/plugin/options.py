@@ -5,8 +5,7 @@ them once (the CLI wins over the ini file). Every number of seconds goes through
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -47,8 +46,7 @@ DEFAULT_SLOW = 0.8
 LEAK_MODES = ("kill", "warn", "off")
 
 
-@dataclass(frozen=True)
-class Settings:
+class Settings(NamedTuple):
     """The session's options, resolved once (CLI wins over ini)."""
 
     expires: float = 0.0
