@@ -6,6 +6,14 @@ this plugin. Both have ``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1`` and load pytest-xdis
 ``-p xdist`` (xdist is a dependency of the plugin, so its import is not the plugin's
 cost); the second also loads ``-p elastic_timer``. The pairs alternate, so drift of the
 machine hits both alike; the result is the median of each configuration and their ratio.
+Its output is read through pipes, as a shell or a CI step reads it: the command ends when
+the last process holding them lets go, which can be the watchdog.
+
+The package is measured as users get it: built into a wheel and installed in a virtual
+environment of its own, which sees this environment's other packages (pytest, xdist,
+psutil) through a path file, so nothing is downloaded. A second row times this checkout
+as installed for development (``pip install -e``), whose import finder every process,
+the watchdog too, loads at start.
 
 A second pair does the same for an inner session started in-process by ``pytester``
 (the case of another plugin's own test suite, which runs many such sessions): the time
@@ -51,8 +59,8 @@ def test_inner_session(pytester, plugin, record_property):
 """
 
 
-def _session_argv(directory: str, plugin: bool) -> list[str]:
-    argv = [common.PYTHON, "-m", "pytest", "-q", "-p", "xdist", "-p", "no:cacheprovider"]
+def _session_argv(directory: str, plugin: bool, python: str = common.PYTHON) -> list[str]:
+    argv = [python, "-m", "pytest", "-q", "-p", "xdist", "-p", "no:cacheprovider"]
     if plugin:
         argv += ["-p", "elastic_timer"]
     return [*argv, os.path.join(directory, "test_one.py")]
@@ -67,18 +75,61 @@ def _time(argv: list[str], env: dict[str, str], cwd: str) -> float:
     return elapsed
 
 
-def whole_sessions(rounds: int) -> dict[str, Any]:
+def whole_sessions(rounds: int, python: str = common.PYTHON) -> dict[str, Any]:
     env = common.clean_env(PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
     times: dict[str, list[float]] = {"plain": [], "plugin": []}
     with tempfile.TemporaryDirectory() as directory:
         with open(os.path.join(directory, "test_one.py"), "w", encoding="utf-8") as f:
             f.write(TEST)
-        for argv in (_session_argv(directory, False), _session_argv(directory, True)):
+        plain, plugin = (_session_argv(directory, p, python) for p in (False, True))
+        for argv in (plain, plugin):
             _time(argv, env, directory)  # warm the file cache and the bytecode
         for _ in range(rounds):
-            times["plain"].append(_time(_session_argv(directory, False), env, directory))
-            times["plugin"].append(_time(_session_argv(directory, True), env, directory))
+            times["plain"].append(_time(plain, env, directory))
+            times["plugin"].append(_time(plugin, env, directory))
     return _summary(times)
+
+
+def installed_sessions(rounds: int) -> dict[str, Any]:
+    """:func:`whole_sessions` with the package installed from its wheel."""
+    with tempfile.TemporaryDirectory() as directory:
+        return whole_sessions(rounds, _install_wheel(directory))
+
+
+def _install_wheel(directory: str) -> str:
+    """A virtual environment in ``directory`` with this checkout installed from its
+    wheel (bytecode compiled, as pip does), seeing this environment's packages after
+    its own; its Python."""
+    import sysconfig
+    import venv
+
+    wheels = os.path.join(directory, "wheels")
+    pip = [common.PYTHON, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run(
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", wheels, common.REPO],
+        check=True,
+        capture_output=True,
+    )
+    target = os.path.join(directory, "venv")
+    venv.create(target, with_pip=False, symlinks=True)
+    python = os.path.join(target, "bin", "python")
+    site = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    (wheel,) = (os.path.join(wheels, name) for name in os.listdir(wheels))
+    subprocess.run(
+        [*pip, "install", "--no-deps", "--no-index", "--target", site, wheel],
+        check=True,
+        capture_output=True,
+    )
+    # A path file of plain paths: this environment's packages become importable, but
+    # its own path files (a development install's finder) do not run.
+    with open(os.path.join(site, "environment.pth"), "w", encoding="utf-8") as f:
+        f.write(sysconfig.get_path("purelib") + "\n")
+    return python
 
 
 def inner_sessions(rounds: int) -> dict[str, Any]:
@@ -124,10 +175,15 @@ def measure(quick: bool) -> dict[str, Any]:
     rounds = 6 if quick else 12
     result: dict[str, Any] = {}
     _compile_package()
-    for name, run in (("session", whole_sessions), ("inner", inner_sessions)):
+    runs = (
+        ("session", installed_sessions),
+        ("development", whole_sessions),
+        ("inner", inner_sessions),
+    )
+    for name, run in runs:
         try:
             result[name] = run(rounds)
-        except (RuntimeError, OSError) as exc:
+        except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
             result[name] = {"error": str(exc)[:500]}
     return result
 
@@ -138,8 +194,13 @@ def render(result: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
         "| --- | ---: | ---: | ---: | ---: |",
     ]
     for key, what in (
-        ("session", "`python -m pytest` of one passing test (median of interleaved runs)"),
-        ("inner", "an in-process `pytester` session of one passing test"),
+        (
+            "session",
+            "`python -m pytest` of one passing test, the package installed from its "
+            "wheel (median of interleaved runs)",
+        ),
+        ("development", "the same, this checkout installed for development (`pip install -e`)"),
+        ("inner", "an in-process `pytester` session of one passing test (development)"),
     ):
         r = result.get(key, {})
         if "error" in r:
