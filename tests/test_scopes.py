@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 import pytest_elastic_timer as et
 from pytest_elastic_timer.core import afterfork
-from pytest_elastic_timer.scope import delivery, scopes
+from pytest_elastic_timer.scope import client, delivery, scopes
 
 EARLY = delivery.EARLY  # a signal is honoured this much before a deadline
 
@@ -454,6 +454,31 @@ def test_a_forked_child_owns_its_scopes_and_its_parent_keeps_its_own() -> None:
         assert scopes.current_scope() is parent
         assert _open_in_table(parent) == [parent.path]
     assert not parent.expired()
+
+
+def _blocked_signals(native_id: int) -> set[int]:
+    """The signals thread ``native_id`` of this process blocks (procfs ``SigBlk``)."""
+    with open(f"/proc/self/task/{native_id}/status", encoding="ascii") as f:
+        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigBlk:"))
+    return {n for n in range(1, 65) if mask >> (n - 1) & 1}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads procfs")
+def test_helper_threads_leave_the_process_signals_to_the_main_thread() -> None:
+    # A signal a helper thread took would not break the main thread out of a blocking
+    # call: Ctrl-C during time.sleep(120) would wait for the sleep to end.
+    seen: list[set[int]] = []
+    helper = threading.Thread(
+        target=lambda: seen.append(_blocked_signals(threading.get_native_id()))
+    )
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, set())
+    client.start_helper(helper)
+    helper.join(10)
+    (blocked,) = seen
+    interrupt = scopes.process_state().interrupt_sig
+    assert {signal.SIGINT, signal.SIGTERM, signal.SIGALRM, interrupt} <= blocked
+    assert signal.SIGSEGV not in blocked  # its own faults still reach faulthandler
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, set()) == before  # the caller's as it was
 
 
 def test_fork_callbacks_are_held_weakly() -> None:

@@ -110,6 +110,34 @@ def _free_signals(count: int, ours: SignalHandler) -> list[int]:
     return chosen
 
 
+# Signals a thread raises by its own faults: the kernel sends them to that thread, and
+# a crash there must still reach faulthandler.
+_FAULTS = frozenset(
+    getattr(signal, name)
+    for name in ("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGTRAP", "SIGSYS", "SIGABRT")
+    if hasattr(signal, name)
+)
+
+
+def start_helper(thread: threading.Thread) -> None:
+    """Start one of the package's helper threads with the process's signals blocked in it.
+
+    A signal sent to the process (Ctrl-C, the watchdog's interrupt, pytest-timeout's
+    alarm) is then taken by a thread that can act on it. Its Python handler runs in the
+    main thread whichever thread took it, but only a signal the main thread took breaks
+    it out of a blocking call: ``time.sleep(120)`` would sleep on. A thread starts with
+    the mask of the thread that starts it, so the mask is set around the start.
+    """
+    if not hasattr(signal, "pthread_sigmask"):
+        thread.start()
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals() - _FAULTS)
+    try:
+        thread.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 class ProcessState:
     """Everything a scope needs from its process, set up at the first scope entered."""
 
@@ -289,7 +317,7 @@ class ProcessState:
         self.standby = threading.Thread(
             target=self._await_welcome, args=(watched,), name=f"{THREAD_PREFIX}standby", daemon=True
         )
-        self.standby.start()
+        start_helper(self.standby)
 
     def _await_welcome(self, watched: socket.socket) -> None:
         """The standby thread: wait for the watchdog's answer without reading it (the
@@ -617,7 +645,7 @@ class Sentinel:
         self.thread = threading.Thread(
             target=self._run, name=f"{THREAD_PREFIX}sentinel", daemon=True
         )
-        self.thread.start()
+        start_helper(self.thread)
 
     def wake(self) -> None:
         with self.cond:

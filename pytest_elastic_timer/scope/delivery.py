@@ -228,7 +228,7 @@ def retry_soon(state: client.ProcessState) -> None:
     # unpatched.kill: a test may have replaced os.kill with a mock.
     timer = threading.Timer(0.002, unpatched.kill, (os.getpid(), state.interrupt_sig))
     timer.daemon = True
-    timer.start()
+    client.start_helper(timer)
 
 
 def paused(state: client.ProcessState, now: float) -> float:
