@@ -1034,6 +1034,48 @@ def test_a_passing_session_loads_no_failure_machinery(pytester: pytest.Pytester)
     assert "pytest_elastic_timer.core.hostlink" not in loaded.split()
 
 
+FIRST_LOAD_FAILS_CONFTEST = """
+import sys
+
+class FailsOnce:
+    # The report modules fail to load the first time they are asked for (as an import
+    # interrupted by a signal can fail), then load.
+    failed = False
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "pytest_elastic_timer.plugin.expiry" and not FailsOnce.failed:
+            FailsOnce.failed = True
+            raise ImportError("not now")
+        return None
+
+sys.meta_path.insert(0, FailsOnce())
+"""
+
+
+def test_an_expiry_whose_report_machinery_fails_to_load_is_still_an_expiry(
+    pytester: pytest.Pytester,
+) -> None:
+    # The plugin starts looking at reports from inside the interrupt: that failing must
+    # not replace the ScopeExpired nor keep the watchdog from hearing of it.
+    pytester.makeconftest(FIRST_LOAD_FAILS_CONFTEST)
+    pytester.makepyfile(
+        test_hang="""
+        import time
+        import pytest_elastic_timer as et
+
+        def test_hang():
+            with et.expires(0.3, scope="hang"):
+                time.sleep(30)
+        """
+    )
+    session = run(pytester)
+    session.result.assert_outcomes(failed=1)
+    assert "TIMEOUT test_hang.py::test_hang" in session.stdout
+    assert "ImportError" not in session.text
+    record = session.record("test_hang::call/hang")
+    assert record["action"] == "interrupted"
+
+
 # -- start-up: nobody waits for the watchdog ---------------------------------------------
 NO_WATCHDOG_SITE = """
 import os, sys

@@ -62,8 +62,9 @@ _NUMBERS = (int, float)
 _EARLY = delivery.EARLY
 
 
-# Called (without arguments) whenever a ScopeExpired is about to be raised here: the
-# plugin starts looking at reports then.
+# Called (without arguments) whenever a ScopeExpired is about to be raised here, after
+# the watchdog was told: the plugin starts looking at reports then. They run inside the
+# interrupt's signal handler, so one that fails must not replace the ScopeExpired.
 expiry_listeners: list[Callable[[], None]] = []
 
 
@@ -682,14 +683,15 @@ def _report(
     task: Any = None,
 ) -> ScopeExpired:
     """The exception for ``scope``, after telling the watchdog where the owner was."""
-    for listener in list(expiry_listeners):
-        listener()
     exc = _expired(scope, now, action)
-    if task is not None:
-        return exc  # reported when the cancellation was asked for
     state = scope._state or _state
-    if state is not None:
+    if task is None and state is not None:  # a task's is told when its cancellation is
         _tell_expired(state, scope, now, delivery.owner_stack(frame, exc))
+    for listener in list(expiry_listeners):
+        try:
+            listener()
+        except Exception:  # the ScopeExpired is what the owner must get
+            pass
     return exc
 
 
