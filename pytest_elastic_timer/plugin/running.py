@@ -276,8 +276,12 @@ class PhaseBudgets:
         begin(item, named=budgets.setup is None)
         if budgets.setup is None:
             return (yield)
-        with phase_scope(item, "setup", budgets):
-            return (yield)
+        try:
+            with phase_scope(item, "setup", budgets):
+                return (yield)
+        except BaseException:
+            watch_failures(item.config)  # as in the call phase: before the report
+            raise
 
     # Inside the plugin's own teardown wrapper (tryfirst), which began the phase and
     # ends the test after this scope ended.
@@ -289,8 +293,12 @@ class PhaseBudgets:
         running = current(item)
         if running is not None:
             running.switch("teardown", named=False)  # the budget's scope names the phase
-        with phase_scope(item, "teardown", budgets):
-            return (yield)
+        try:
+            with phase_scope(item, "teardown", budgets):
+                return (yield)
+        except BaseException:
+            watch_failures(item.config)
+            raise
 
 
 def need_phase_budgets(config: pytest.Config) -> None:
