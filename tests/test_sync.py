@@ -183,6 +183,42 @@ def test_barrier_parties_must_agree(dog: Watchdog, served: Assembly) -> None:
     assert thread_results and thread_results[0] in (0, 1)
 
 
+def test_primitives_that_cannot_be_made_answer_with_an_error_and_the_watchdog_serves_on(
+    dog: Watchdog,
+    served: Assembly,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """The watchdog makes its primitives at the session's first call of one: when that
+    fails, the call gets an error, the next call tries again, and the watchdog goes on
+    serving scopes."""
+    with monkeypatch.context() as broken:
+        # The primitives' module cannot be imported (as a broken install would have it).
+        broken.setitem(sys.modules, "pytest_elastic_timer.sync.server", None)
+        before = dog.dropped
+        with pytest.raises(ValueError, match="sync primitives unavailable"):
+            et.barrier("first", 1, 5)
+        assert dog.dropped == before + 1
+        assert served.sync.server is None
+    assert "pytest-elastic-timer: sync primitives:" in capfd.readouterr().err
+    # A process of this watchdog's (its address is in the environment) has its scope
+    # expire, as before the error.
+    code = (
+        "import time, pytest_elastic_timer as et\n"
+        "try:\n"
+        "    with et.expires(0.1, scope='after the error'):\n"
+        "        time.sleep(30)\n"
+        "except et.ScopeExpired:\n"
+        "    print('expired')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout == "expired\n"
+    assert et.barrier("second", 1, 5) == 0
+    assert served.sync.server is not None
+
+
 def test_event_wait_timeout_names_waiters_then_set_releases_them(dog: Watchdog) -> None:
     event = et.Event("ready", label="main")
     assert not event.is_set()

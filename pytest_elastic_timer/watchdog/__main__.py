@@ -37,8 +37,9 @@ if TYPE_CHECKING:
 class SyncIntake:
     """The server of barriers, events and locks, made at the session's first call of
     one: most sessions make none, and its modules would cost every watchdog's start-up
-    some 5 ms, while pytest's output waits for the watchdog to come up and let go of
-    it."""
+    some 5 ms, which a short session pays at its end: the watchdog shares pytest's
+    stderr, so a program reading pytest's output sees its end once the watchdog has
+    exited."""
 
     def __init__(self, dog: Watchdog) -> None:
         self.dog = dog
@@ -52,10 +53,19 @@ class SyncIntake:
         self, op: str, conn: socket.socket, peer_pid: int, fields: dict[str, Any]
     ) -> None:
         if self.server is None:
-            from pytest_elastic_timer.sync.server import SyncServer
+            try:
+                from pytest_elastic_timer.sync.server import SyncServer
 
-            self.server = SyncServer(self.dog)
-            self._handlers = self.server.handlers()
+                server = SyncServer(self.dog)
+            except Exception as exc:
+                # The caller gets an answer and the session keeps its watchdog; the
+                # next call tries again.
+                sys.stderr.write(f"pytest-elastic-timer: sync primitives: {exc!r}\n")
+                self.dog.drop()
+                self.dog.send(conn, protocol.ERROR, error=f"sync primitives unavailable: {exc}")
+                return
+            self.server = server
+            self._handlers = server.handlers()
             for name, handler in self._handlers.items():
                 self.dog.handle(name, handler)  # the calls after this one go straight to it
         self._handlers[op](conn, peer_pid, fields)
