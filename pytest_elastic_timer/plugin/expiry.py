@@ -157,9 +157,11 @@ class FailedReports:
 
 
 def register_reports(config: pytest.Config) -> None:
-    """From now on, failed reports are looked at (a test failed, or a scope expired):
+    """Register the failed-report plugins (once).
+
     :func:`running.watch_failures <pytest_elastic_timer.plugin.running.watch_failures>`
-    calls this."""
+    calls this when a test failed or a scope expired.
+    """
     manager = config.pluginmanager
     if not manager.has_plugin(ExpiryReports.NAME):
         manager.register(ExpiryReports(), ExpiryReports.NAME)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Generator
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -43,6 +44,7 @@ CI_SLOW = "pytest_elastic_timer.ci.slow"
 CI_JUNIT = "pytest_elastic_timer.ci.junit"
 CI_GITHUB = "pytest_elastic_timer.ci.github"
 CI_TRACE = "pytest_elastic_timer.ci.trace"
+XDIST_HOOKS = "elastic_timer_xdist"
 
 
 # -- start-up ------------------------------------------------------------------------
@@ -79,14 +81,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
     state.expiry_listener = on_expiry
     scopes.expiry_listeners.append(state.expiry_listener)
-    if _runs_xdist(config):
-        from pytest_elastic_timer.plugin import xdist_support
-
-        config.pluginmanager.register(xdist_support, "elastic_timer_xdist")
     state.leave_leaks = leaks.enter_session(adopt=settings.leaks != "off")
     if is_worker(config):
-        from pytest_elastic_timer.plugin import xdist_support
-
+        xdist_support = _register_xdist_hooks(config)
         xdist_support.configure_worker(config)
         state.put_back_scopes = scopes.set_aside()
         # PYTEST_CURRENT_TEST inherited from an outer session (a pytest run by a test)
@@ -100,13 +97,14 @@ def pytest_configure(config: pytest.Config) -> None:
         torch_hook.watch()  # torch.distributed's ops in this process are recorded too
 
 
-def _runs_xdist(config: pytest.Config) -> bool:
-    """Whether this process is an xdist worker, or a controller that will start some
-    (xdist settles ``--dist`` from ``-n`` before any ``pytest_configure``); only then
-    are the xdist hooks (:mod:`.xdist_support`) loaded and registered."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return False
-    return is_worker(config) or config.getoption("dist", "no") != "no"
+def _register_xdist_hooks(config: pytest.Config) -> ModuleType:
+    """Import and register the xdist hooks (:mod:`.xdist_support`): only an xdist
+    worker, and a controller that starts workers, loads them."""
+    from pytest_elastic_timer.plugin import xdist_support
+
+    if not config.pluginmanager.is_registered(xdist_support):
+        config.pluginmanager.register(xdist_support, XDIST_HOOKS)
+    return xdist_support
 
 
 def _register_ci_outputs(config: pytest.Config, state: SessionState) -> None:
@@ -136,6 +134,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     state = config.stash[SESSION]
     scopes.process_state().set_phase("sessionstart")
     if not is_worker(config) and uses_xdist(config):
+        # A controller that starts workers: xdist made its session in pytest_configure
+        # and starts the workers after this hook (its own is trylast).
+        _register_xdist_hooks(config)
         watch_failures(config)  # workers' failures arrive at any time
     if state.settings.session:
         lifecycle.enter_session_scope(session, state)

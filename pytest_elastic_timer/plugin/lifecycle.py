@@ -254,7 +254,7 @@ def report_without_watchdog(
         "watchdog_lost": lost,
         **end,
     }
-    from pytest_elastic_timer.core import records  # see state.py
+    from pytest_elastic_timer.core import records  # only a watchdog that died leaves this to do
 
     found = records.read_records(state.watchdog.records_path)
     try:

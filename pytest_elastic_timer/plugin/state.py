@@ -18,8 +18,8 @@ from pytest_elastic_timer.scope import scopes
 from pytest_elastic_timer.scope.scopes import TimerRequest
 
 if TYPE_CHECKING:
-    # Loaded where a record is read or shown: a session in which nothing expired
-    # never loads the records (nor the stacks) module.
+    # Loaded where a record is read or shown: a session outside xdist in which no test
+    # failed never loads the records (nor the stacks) module.
     from pytest_elastic_timer.core import records
 
 
