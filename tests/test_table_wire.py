@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import struct
@@ -112,7 +111,7 @@ def test_anonymous_table() -> None:
         assert anonymous.path is None
         write_slot(anonymous, 3, serial=1, deadline=2.0, start=1.0, thread_id=5)
         anonymous.words[tbl.H_HWM] = 4
-        assert [s.index for s in anonymous.open_slots()] == [3]
+        assert [s.slot_index for s in anonymous.open_slots()] == [3]
     finally:
         anonymous.close()
 
@@ -140,8 +139,8 @@ def test_slot_round_trip(
     try:
         slot = shared_table.read_slot(index)
         assert slot is not None
-        assert slot.index == index
-        assert dataclasses.astuple(slot)[1:] == fields
+        assert slot.slot_index == index
+        assert tuple(slot)[1:] == fields
     finally:
         shared_table.clear_slot(index)
     assert shared_table.read_slot(index) is None
@@ -161,11 +160,11 @@ def test_open_slots_stop_at_the_high_water_mark(table: tbl.ScopeTable) -> None:
     for index in (0, 1, 5):
         write_slot(table, index, serial=index + 1, deadline=1.0)
     table.words[tbl.H_HWM] = 2
-    assert [s.index for s in table.open_slots()] == [0, 1]
+    assert [s.slot_index for s in table.open_slots()] == [0, 1]
     table.words[tbl.H_HWM] = 6
-    assert [s.index for s in table.open_slots()] == [0, 1, 5]
+    assert [s.slot_index for s in table.open_slots()] == [0, 1, 5]
     table.words[tbl.H_HWM] = 2**63  # nonsense from a broken owner is capped
-    assert [s.index for s in table.open_slots()] == [0, 1, 5]
+    assert [s.slot_index for s in table.open_slots()] == [0, 1, 5]
 
 
 @given(texts=st.lists(st.text(max_size=50), min_size=1, max_size=20))
@@ -391,7 +390,7 @@ def test_due_slots_splits_open_slots_at_now(table: tbl.ScopeTable) -> None:
     table.clear_slot(3)  # closed: neither due nor counted
     earliest, due = table.due_slots(10.0)
     assert earliest == 15.0
-    assert [(s.index, s.serial) for s in due] == [(0, 11)]
+    assert [(s.slot_index, s.serial) for s in due] == [(0, 11)]
 
 
 def test_strings_area_holds_400000_test_entries() -> None:

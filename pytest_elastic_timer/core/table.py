@@ -31,7 +31,7 @@ import mmap
 import os
 import struct
 from collections.abc import Iterator
-from dataclasses import dataclass
+from typing import NamedTuple
 
 MAGIC = 0x3130_4C42_5454_4550  # b"PETTBL01" read as a little-endian u64
 VERSION = 1
@@ -97,11 +97,10 @@ def phase_of(flags: int) -> str:
 assert SLOT_SIZE == 64
 
 
-@dataclass(frozen=True)
-class SlotView:
+class SlotView(NamedTuple):
     """A consistent copy of one open slot, as the watchdog sees it."""
 
-    index: int
+    slot_index: int  # not "index": a tuple has a method of that name
     serial: int
     deadline: float
     start: float

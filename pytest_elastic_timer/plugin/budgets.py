@@ -5,7 +5,6 @@ for everything the plugin reports. Scopes scale their own budgets when entered."
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import pytest
@@ -82,21 +81,21 @@ def find_marker(node: pytest.Item | pytest.Collector | None) -> pytest.Mark | No
     return None
 
 
-@dataclass
 class BudgetBook:
     """The budgets of every test of the session: ``default`` for a test without a
     marker, and those of marked tests by item. ``on_phased`` is called once a test
     with a setup or teardown budget is found."""
 
-    default: Budgets
-    scale: float
-    on_phased: Callable[[], None]
-    by_item: dict[pytest.Item, Budgets] = field(default_factory=dict)
-    # Items whose marker is bad, with the error that names the test and the value: the
-    # test alone fails, at its setup (:meth:`check`).
-    errors: dict[pytest.Item, str] = field(default_factory=dict)
-    # Scaled budgets of marked tests that ran in other processes (xdist workers).
-    reported: dict[str, ScaledBudgets] = field(default_factory=dict)
+    def __init__(self, default: Budgets, scale: float, on_phased: Callable[[], None]) -> None:
+        self.default = default
+        self.scale = scale
+        self.on_phased = on_phased
+        self.by_item: dict[pytest.Item, Budgets] = {}
+        # Items whose marker is bad, with the error that names the test and the value:
+        # the test alone fails, at its setup (:meth:`check`).
+        self.errors: dict[pytest.Item, str] = {}
+        # Scaled budgets of marked tests that ran in other processes (xdist workers).
+        self.reported: dict[str, ScaledBudgets] = {}
 
     def add_items(self, nodes: Iterable[Any]) -> None:
         """Give each item of ``nodes`` its budgets, or its error for a bad marker; the

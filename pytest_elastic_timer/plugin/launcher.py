@@ -12,7 +12,6 @@ import signal
 import socket
 import sys
 import tempfile
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pytest_elastic_timer.core import hostid, startup, unpatched, wire
@@ -73,7 +72,6 @@ def sweep_stale(root: str | None, older_than: float = 60.0) -> list[str]:
     return removed
 
 
-@dataclass
 class WatchdogHandle:
     """A running watchdog: its process, socket address and private directory.
 
@@ -82,12 +80,15 @@ class WatchdogHandle:
     object of a process that still runs warns when it is collected.
     """
 
-    pid: int
-    address: str
-    directory: str
-    control: int  # the write end of the watchdog's stdin (-1 once closed)
-    pidfd: int = -1  # a pidfd of the watchdog, -1 where the kernel has none
-    returncode: int | None = None
+    def __init__(
+        self, pid: int, address: str, directory: str, control: int, pidfd: int = -1
+    ) -> None:
+        self.pid = pid
+        self.address = address
+        self.directory = directory
+        self.control = control  # the write end of the watchdog's stdin (-1 once closed)
+        self.pidfd = pidfd  # a pidfd of the watchdog, -1 where the kernel has none
+        self.returncode: int | None = None
 
     @property
     def records_path(self) -> str:
@@ -291,12 +292,12 @@ def _spawn(argv: list[str], env: dict[str, str], passed: list[int]) -> tuple[int
     return pid, write_end
 
 
-@dataclass
 class HostWatchdog:
     """The watchdog of this host, which is not the controller's, joined by this worker."""
 
-    directory: str
-    link: hostlink.Link
+    def __init__(self, directory: str, link: hostlink.Link) -> None:
+        self.directory = directory
+        self.link = link
 
     @property
     def address(self) -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import pytest
@@ -23,32 +22,41 @@ if TYPE_CHECKING:
     from pytest_elastic_timer.core import records
 
 
-@dataclass
 class SessionState:
     """What the plugin knows of its session, in one process (controller, worker, or
     the only one)."""
 
-    settings: Settings
-    budgets: BudgetBook
-    rootdir: str = ""
-    watchdog: launcher.WatchdogHandle | None = None
-    previous_env: dict[str, str | None] = field(default_factory=dict)
-    children_before: set[int] = field(default_factory=set)  # this process's, at start
-    # The command line's own session: its process ends with it (see lifecycle).
-    ends_with_its_process: bool = False
-    session_scope: TimerRequest | None = None
-    session: pytest.Session | None = None
-    lost_watchdog: str = ""  # why and when the watchdog went away mid-session
-    expiry_listener: Callable[[], None] | None = None
-    # Absolute file of each location path items report, relative to rootdir.
-    files: dict[str, str] = field(default_factory=dict)
-    started: float = field(default_factory=unpatched.now)
-    exitstatus: int | None = None
-    # What leaves the process as the session found it (a pytest run inside a test).
-    put_back_scopes: Callable[[], None] = field(default=lambda: None)
-    leave_leaks: Callable[[], None] = field(default=lambda: None)
-    # Failed tests and the expired scopes that failed them (controller or only process).
-    expired: dict[str, list[records.ExpiryRecord]] = field(default_factory=dict)
+    # A plain class, not a dataclass: defining one costs every session's start-up.
+    def __init__(
+        self,
+        settings: Settings,
+        budgets: BudgetBook,
+        *,
+        rootdir: str = "",
+        ends_with_its_process: bool = False,
+    ) -> None:
+        self.settings = settings
+        self.budgets = budgets
+        self.rootdir = rootdir
+        # The command line's own session: its process ends with it (see lifecycle).
+        self.ends_with_its_process = ends_with_its_process
+        self.watchdog: launcher.WatchdogHandle | None = None
+        self.previous_env: dict[str, str | None] = {}
+        self.children_before: set[int] = set()  # this process's, at start
+        self.session_scope: TimerRequest | None = None
+        self.session: pytest.Session | None = None
+        self.lost_watchdog = ""  # why and when the watchdog went away mid-session
+        self.expiry_listener: Callable[[], None] | None = None
+        # Absolute file of each location path items report, relative to rootdir.
+        self.files: dict[str, str] = {}
+        self.started = unpatched.now()
+        self.exitstatus: int | None = None
+        # What leaves the process as the session found it (a pytest run inside a test).
+        self.put_back_scopes: Callable[[], None] = _nothing
+        self.leave_leaks: Callable[[], None] = _nothing
+        # Failed tests and the expired scopes that failed them (controller or only
+        # process).
+        self.expired: dict[str, list[records.ExpiryRecord]] = {}
 
     def file_of(self, path: str) -> str:
         """The absolute file of an item's location ``path`` (relative to rootdir, unless
@@ -60,6 +68,10 @@ class SessionState:
                 path if path.startswith("/") else f"{self.rootdir}/{path}"
             )
         return file
+
+
+def _nothing() -> None:
+    pass
 
 
 SESSION = pytest.StashKey[SessionState]()

@@ -72,7 +72,7 @@ class Scanner:
     def _expire(self, owner: Owner, slot: tbl.SlotView) -> None:
         # A second, separate read: the scan's copy of the table has no load order, so
         # only act on a slot that still holds this entry and is still past its deadline.
-        again = owner.table.read_slot(slot.index)
+        again = owner.table.read_slot(slot.slot_index)
         if again is None or again.serial != slot.serial or again.deadline > self.loop.clock():
             if again is not None:
                 self.schedule_scan(owner, again.deadline)
@@ -86,7 +86,7 @@ class Scanner:
         if phase and not path:  # a test phase's scope: named after its test
             path, site = f"{name}::{phase}", site or definition
         expiry = Expiry(
-            slot=slot.index,
+            slot=slot.slot_index,
             serial=slot.serial,
             path=path,
             site=site,
