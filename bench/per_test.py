@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import glob
+import importlib.util
 import os
 import platform
 import re
@@ -75,6 +76,15 @@ LABELS = {
     "timeout_signal": "pytest-timeout `--timeout 30 --timeout-method=signal`",
     "timeout_thread": "pytest-timeout `--timeout 30 --timeout-method=thread`",
 }
+
+
+def available_configs() -> list[str]:
+    """The configurations this environment can run: pytest-timeout's need it installed
+    (``pip install -e '.[bench]'``)."""
+    have_timeout = importlib.util.find_spec("pytest_timeout") is not None
+    return [c for c in CONFIGS if have_timeout or not c.startswith("timeout_")]
+
+
 XDIST = ["-p", "xdist", "-n", "2"]
 _SUMMARY = re.compile(rb"^(?:summary|totals):\s+(\d+)", re.MULTILINE)
 
@@ -199,7 +209,8 @@ def sanity(root: str, xdist: bool) -> dict[str, Any]:
 
 
 def measure(quick: bool) -> dict[str, Any]:
-    cg_configs = list(CONFIGS)
+    configs = available_configs()
+    cg_configs = list(configs)
     if quick:  # pytest-timeout's instruction counts and -n 2 only in the full run
         cg_configs = ["plain", "elastic_timer"]
         cg_counts, cg_xdist_counts, cg_repeats = (50, 150), None, 1
@@ -218,6 +229,7 @@ def measure(quick: bool) -> dict[str, Any]:
         "wall_counts": wall_counts,
         "wall_repeats": wall_repeats,
         "valgrind": have_valgrind,
+        "configs": configs,
     }
     try:
         suites = {
@@ -263,16 +275,16 @@ def measure(quick: bool) -> dict[str, Any]:
         # Wall time: one run at a time, configurations interleaved.
         for xdist in [False, True] if wall_xdist else [False]:
             mode = "xdist" if xdist else "single"
-            for config in CONFIGS:  # warm the page cache
+            for config in configs:  # warm the page cache
                 wall(suites[wall_counts[0]], wall_counts[0], config, xdist)
             times: dict[str, dict[int, list[float]]] = {
-                c: {n: [] for n in wall_counts} for c in CONFIGS
+                c: {n: [] for n in wall_counts} for c in configs
             }
             for _ in range(wall_repeats if not xdist else max(3, wall_repeats - 2)):
-                for config in CONFIGS:
+                for config in configs:
                     for n in wall_counts:
                         times[config][n].append(wall(suites[n], n, config, xdist))
-            for config in CONFIGS:
+            for config in configs:
                 result["wall"][f"{mode}/{config}"] = {
                     str(n): {"median": common.median(v), "samples": v}
                     for n, v in times[config].items()
@@ -324,7 +336,7 @@ def render(result: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
             continue
         overheads[mode] = {}
         big = str(result["wall_counts"][1])
-        for config in CONFIGS:
+        for config in result.get("configs", CONFIGS):
             cg_points = result["callgrind"].get(f"{mode}/{config}", {})
             cg = _slope(cg_points, "instructions")
             startup = None
@@ -381,6 +393,11 @@ def render(result: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
         ", ".join(f"{m}: {v['failed_as_expired']}" for m, v in sanity.items()) or "not checked"
     )
     text += "."
+    if "timeout_signal" not in result.get("configs", CONFIGS):
+        text += (
+            " pytest-timeout is not installed in this environment (`pip install -e "
+            "'.[bench]'`): its rows, and the comparison with it, are left out."
+        )
     for mode, label in (("single", "one process"), ("xdist", "`-n 2`")):
         ours = overheads.get(mode, {}).get("elastic_timer")
         signal_method = overheads.get(mode, {}).get("timeout_signal")
