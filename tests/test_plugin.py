@@ -1052,28 +1052,112 @@ sys.meta_path.insert(0, FailsOnce())
 """
 
 
-def test_an_expiry_whose_report_machinery_fails_to_load_is_still_an_expiry(
-    pytester: pytest.Pytester,
-) -> None:
-    # The plugin starts looking at reports from inside the interrupt: that failing must
-    # not replace the ScopeExpired nor keep the watchdog from hearing of it.
-    pytester.makeconftest(FIRST_LOAD_FAILS_CONFTEST)
-    pytester.makepyfile(
-        test_hang="""
-        import time
-        import pytest_elastic_timer as et
-
+MACHINERY_FAILS_IN = {
+    "call": """
         def test_hang():
             with et.expires(0.3, scope="hang"):
                 time.sleep(30)
-        """
-    )
+        """,
+    # A setup budget's scope.
+    "setup": """
+        @pytest.fixture
+        def stuck():
+            time.sleep(30)
+
+        @pytest.mark.expires(30, setup=0.3)
+        def test_hang(stuck):
+            pass
+        """,
+    # A fixture's own scope, in a teardown without a budget.
+    "teardown": """
+        @pytest.fixture
+        def stuck():
+            yield
+            with et.expires(0.3, scope="hang"):
+                time.sleep(30)
+
+        def test_hang(stuck):
+            pass
+        """,
+}
+
+
+@pytest.mark.parametrize("phase", list(MACHINERY_FAILS_IN))
+def test_an_expiry_whose_report_machinery_fails_to_load_is_still_an_expiry(
+    pytester: pytest.Pytester, phase: str
+) -> None:
+    # The plugin starts looking at reports from inside the interrupt: that failing must
+    # not replace the ScopeExpired nor keep the watchdog from hearing of it, and the
+    # phase's wrapper loads the report machinery before pytest makes the report.
+    pytester.makeconftest(FIRST_LOAD_FAILS_CONFTEST)
+    source = "import time\nimport pytest\nimport pytest_elastic_timer as et\n"
+    pytester.makepyfile(test_hang=source + textwrap.dedent(MACHINERY_FAILS_IN[phase]))
     session = run(pytester)
-    session.result.assert_outcomes(failed=1)
-    assert "TIMEOUT test_hang.py::test_hang" in session.stdout
+    session.assert_clean()
+    if phase == "call":
+        session.result.assert_outcomes(failed=1)
+    else:
+        session.result.assert_outcomes(passed=int(phase == "teardown"), errors=1)
+    assert re.search(r"^TIMEOUT test_hang.py::test_hang\b", session.stdout, re.M), session.stdout
     assert "ImportError" not in session.text
-    record = session.record("test_hang::call/hang")
-    assert record["action"] == "interrupted"
+    scope = "test_hang::setup" if phase == "setup" else f"test_hang::{phase}/hang"
+    assert session.record(scope)["action"] == "interrupted"
+
+
+SLOW_LISTENER_TEST = """
+import os
+import time
+
+import pytest
+import pytest_elastic_timer as et
+from pytest_elastic_timer.scope import scopes
+
+def test_nested():
+    outer_due = []
+
+    def busy(depth):
+        # Deep below the listener, as an import is: still busy when the outer scope is
+        # due, and its interrupt comes meanwhile.
+        if depth:
+            return busy(depth - 1)
+        while time.monotonic() < outer_due[0]:
+            pass
+        os.kill(os.getpid(), scopes.process_state().interrupt_sig)
+        end = time.monotonic() + 0.05
+        while time.monotonic() < end:
+            pass
+
+    def slow_listener():
+        busy(10)
+
+    with pytest.raises(et.ScopeExpired, match="outer"):
+        with et.expires(0.6, scope="outer") as outer:
+            outer_due.append(outer.deadline + 0.01)
+            scopes.expiry_listeners.append(slow_listener)
+            try:
+                with pytest.raises(et.ScopeExpired, match="inner"):
+                    with et.expires(0.1, scope="inner"):
+                        time.sleep(5)
+            finally:
+                scopes.expiry_listeners.remove(slow_listener)
+            time.sleep(5)
+"""
+
+
+def test_an_interrupt_that_comes_while_the_expiry_listeners_run_is_not_lost(
+    pytester: pytest.Pytester,
+) -> None:
+    # Raised inside a listener, the enclosing scope's ScopeExpired would end in the
+    # listener's error handling: the interrupt is sent again once they are done.
+    pytester.makepyfile(test_nested=SLOW_LISTENER_TEST)
+    session = run(pytester)
+    session.assert_clean()
+    session.result.assert_outcomes(passed=1)
+    assert session.seconds < 4, session.stdout
+    assert {r["scope"] for r in session.report["expired"]} >= {
+        "test_nested::call/outer",
+        "test_nested::call/outer/inner",
+    }
 
 
 # -- start-up: nobody waits for the watchdog ---------------------------------------------

@@ -66,6 +66,9 @@ _EARLY = delivery.EARLY
 # the watchdog was told: the plugin starts looking at reports then. They run inside the
 # interrupt's signal handler, so one that fails must not replace the ScopeExpired.
 expiry_listeners: list[Callable[[], None]] = []
+# The threads running the listeners: an interrupt that comes meanwhile is sent again a
+# moment later, or the ScopeExpired it raised in a listener would be lost with its error.
+_notifying: set[int] = set()
 
 
 class ScopeStack(deque["TimerRequest"]):
@@ -687,11 +690,16 @@ def _report(
     state = scope._state or _state
     if task is None and state is not None:  # a task's is told when its cancellation is
         _tell_expired(state, scope, now, delivery.owner_stack(frame, exc))
-    for listener in list(expiry_listeners):
-        try:
-            listener()
-        except Exception:  # the ScopeExpired is what the owner must get
-            pass
+    thread = threading.get_ident()
+    _notifying.add(thread)
+    try:
+        for listener in list(expiry_listeners):
+            try:
+                listener()
+            except Exception:  # the ScopeExpired is what the owner must get
+                pass
+    finally:
+        _notifying.discard(thread)
     return exc
 
 
@@ -712,6 +720,9 @@ def _on_interrupt(signum: int, frame: FrameType | None) -> None:
         _postpone_expired(now)
         return
     main = threading.main_thread().ident
+    if main in _notifying:
+        delivery.retry_soon(state)
+        return
     frames = sys._current_frames()
     raise_here: BaseException | None = None
     detached = list(_detached.values())
