@@ -9,6 +9,7 @@ which also ends the test. The wrappers that give setup and teardown budgets of t
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Generator
 
@@ -37,6 +38,17 @@ def watch_failures(config: pytest.Config) -> None:
     from pytest_elastic_timer.plugin import expiry
 
     expiry.register_reports(config)
+
+
+def watch_failures_of(config: pytest.Config, exc: BaseException) -> None:
+    """:func:`watch_failures` for a phase that ends in ``exc``, before pytest makes its
+    report. A skip is no failure. The phase's own exception is what its report must
+    show, so loading that fails here (an import cut short by a signal, say) is left
+    for the next failure to try again."""
+    if isinstance(exc, pytest.skip.Exception):
+        return
+    with contextlib.suppress(Exception):
+        watch_failures(config)
 
 
 class RunningTest:
@@ -230,8 +242,8 @@ def call(item: pytest.Item) -> Generator[None, None, None]:
             raise
         scopes.leave_test_phase(scope, None)  # raises ScopeExpired if it overran
         return result
-    except BaseException:
-        watch_failures(item.config)  # before pytest makes the call's report
+    except BaseException as exc:
+        watch_failures_of(item.config, exc)
         raise
 
 
@@ -256,6 +268,9 @@ def teardown(item: pytest.Item) -> Generator[None, None, None]:
     running.switch("teardown")
     try:
         return (yield)
+    except BaseException as exc:
+        watch_failures_of(item.config, exc)
+        raise
     finally:
         # Leftover processes are found here, inside the teardown: a warning made an
         # error (-W error) fails the test's teardown.
@@ -279,12 +294,12 @@ class PhaseBudgets:
         try:
             with phase_scope(item, "setup", budgets):
                 return (yield)
-        except BaseException:
-            watch_failures(item.config)  # as in the call phase: before the report
+        except BaseException as exc:
+            watch_failures_of(item.config, exc)
             raise
 
-    # Inside the plugin's own teardown wrapper (tryfirst), which began the phase and
-    # ends the test after this scope ended.
+    # Inside the plugin's own teardown wrapper (tryfirst), which began the phase, watches
+    # failures when it raises, and ends the test after this scope ended.
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_teardown(self, item: pytest.Item) -> Generator[None, None, None]:
         budgets = budgets_or_fail(item)
@@ -293,12 +308,8 @@ class PhaseBudgets:
         running = current(item)
         if running is not None:
             running.switch("teardown", named=False)  # the budget's scope names the phase
-        try:
-            with phase_scope(item, "teardown", budgets):
-                return (yield)
-        except BaseException:
-            watch_failures(item.config)
-            raise
+        with phase_scope(item, "teardown", budgets):
+            return (yield)
 
 
 def need_phase_budgets(config: pytest.Config) -> None:
