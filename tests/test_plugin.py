@@ -1279,6 +1279,38 @@ def test_a_watchdog_that_comes_up_late_enforces_earlier_deadlines(
     session.assert_clean()
 
 
+def test_a_deadline_that_passes_before_the_watchdog_is_up_is_interrupted_on_time(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Until the watchdog answers, the thread that waits for its answer stands in for
+    it: a scope that expires meanwhile is interrupted at its deadline, not when the
+    watchdog comes up (here: only after the scope ended), and the watchdog, once up,
+    records it."""
+    gate = _gated_watchdog(pytester, monkeypatch)
+    pytester.makepyfile(
+        test_hang=f"""
+        import time
+        import pytest_elastic_timer as et
+
+        def test_hang():
+            scope = et.expires(0.3, scope="hang")
+            try:
+                with scope:
+                    time.sleep(30)
+            finally:
+                print(f"LATE {{time.monotonic() - scope.deadline:.3f}}")
+                open({str(gate)!r}, "w").close()  # the watchdog comes up now
+        """
+    )
+    session = run(pytester, "-s")
+    session.result.assert_outcomes(failed=1)
+    late = re.search(r"LATE (\S+)", session.stdout)
+    assert late is not None and float(late.group(1)) < 5, session.stdout
+    session.assert_expired("test_hang", "test_hang::call/hang", 0.3)
+    assert "in-process" not in session.text
+    session.assert_clean()
+
+
 def test_an_inner_session_ends_a_watchdog_that_is_not_up_yet(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:

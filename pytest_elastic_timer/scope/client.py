@@ -158,6 +158,8 @@ class ProcessState:
         self.welcome_in_background = False
         self.standby: threading.Thread | None = None
         self.standby_socket: socket.socket | None = None  # what the thread waits on
+        # Wakes the standby thread: a deadline earlier than it knew, or the answer read.
+        self.standby_waker: socket.socket | None = None
         self.standby_ended = False  # close() was called: a standby thread ends quietly
         self.lose_lock = threading.Lock()
         # Free slots. A deque: a list that a loop's one scope empties and fills again
@@ -300,6 +302,7 @@ class ProcessState:
             self._lose(f"the watchdog answered {op!r}: {fields.get('error', '')}")
             return
         self.welcomed = True
+        self._wake_standby()
         self.grace = float(fields.get("grace", self.grace))
         self._watchdog_pid = int(fields.get("pid", 0))
         if fields.get("trace") and self.trace is None and self.address:
@@ -314,28 +317,68 @@ class ProcessState:
         # A descriptor of its own: the thread never reads, or closes, the one this
         # process sends on.
         watched = self.standby_socket = socket.socket(fileno=os.dup(sock.fileno()))
+        self.standby_waker, woken = socket.socketpair()
         self.standby = threading.Thread(
-            target=self._await_welcome, args=(watched,), name=f"{THREAD_PREFIX}standby", daemon=True
+            target=self._await_welcome,
+            args=(watched, woken),
+            name=f"{THREAD_PREFIX}standby",
+            daemon=True,
         )
         start_helper(self.standby)
 
-    def _await_welcome(self, watched: socket.socket) -> None:
+    def _wake_standby(self) -> None:
+        waker = self.standby_waker
+        if waker is not None:
+            with contextlib.suppress(OSError):  # full, or the thread is gone
+                waker.send(b"\0", socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+
+    def _await_welcome(self, watched: socket.socket, woken: socket.socket) -> None:
         """The standby thread: wait for the watchdog's answer without reading it (the
         process reads it where it needs it); if the connection ends first, or nothing
         comes within ``WELCOME_TIMEOUT``, enforce scopes in-process from then on."""
-        with watched:
-            why = "the watchdog did not answer"
-            if _select([watched], [], [], WELCOME_TIMEOUT)[0]:
+        with watched, woken:
+            why = self._stand_in(watched, woken)
+        if why and not self.standby_ended:
+            self._lose(why)
+
+    def _stand_in(self, watched: socket.socket, woken: socket.socket) -> str:
+        """Until the watchdog answers, interrupt this process at each deadline that
+        passes, as the sentinel would: a short budget entered while the watchdog is
+        still starting expires on time. Returns why the watchdog is lost, or "" once
+        its answer is here (or this process read it, or closed)."""
+        table = self.table
+        give_up = _monotonic() + WELCOME_TIMEOUT
+        fired: set[int] = set()
+        while not self.welcomed and not self.standby_ended:
+            now = _monotonic()
+            if now >= give_up:
+                return "the watchdog did not answer"
+            armed = table.floats[tbl.H_ARMED]
+            if armed and armed <= now:
+                # The deadline it promised has passed: the next scope entered tells us
+                # (and the watchdog) of its own.
+                table.floats[tbl.H_ARMED] = 0.0
+            earliest, due = table.due_slots(now)
+            if not table.floats[tbl.H_SUSPENDED]:
+                for slot in due:
+                    if slot.serial not in fired and self.interrupt_sig:
+                        fired.add(slot.serial)
+                        _kill(self.pid, self.interrupt_sig)
+            wait = max(0.0, min(give_up, earliest) - now)
+            ready = _select([watched, woken], [], [], wait)[0]
+            if woken in ready:
+                with contextlib.suppress(OSError):
+                    woken.recv(4096, socket.MSG_DONTWAIT)
+            if watched in ready:
                 try:
                     if watched.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
-                        return  # the answer is there
-                    why = "the watchdog closed its connection"
+                        return ""  # the answer is there
+                    return "the watchdog closed its connection"
                 except BlockingIOError:
-                    return  # the process read the answer already
+                    pass  # the process is reading the answer
                 except OSError as exc:
-                    why = str(exc) or type(exc).__name__
-        if not self.standby_ended:
-            self._lose(why)
+                    return str(exc) or type(exc).__name__
+        return ""
 
     def answered(self) -> bool:
         """Whether the watchdog has answered this process's hello (read if it has
@@ -355,6 +398,7 @@ class ProcessState:
         Everything the state installed is undone: the process is left as it was
         before (a pytest session run inside a test of another ends this way)."""
         self.standby_ended = True
+        self._wake_standby()
         standby = self.standby
         if standby is not None and standby.is_alive() and self.standby_socket is not None:
             # Its select returns: the connection reads end-of-file now (whether or not
@@ -365,6 +409,8 @@ class ProcessState:
         atexit.unregister(self._close_socket)
         if standby is not None and standby is not threading.current_thread():
             standby.join(5.0)
+        if self.standby_waker is not None:
+            self.standby_waker.close()
         if self.sentinel is not None:
             self.sentinel.stop()
         if self.trace is not None:
@@ -553,6 +599,7 @@ class ProcessState:
             if self.welcome_in_background:
                 self.welcome(wait=False)
                 self._stand_by()
+                self._wake_standby()  # a deadline it may not know yet
             else:
                 self.welcome()
         if self.sentinel is not None:

@@ -79,6 +79,13 @@ class Loop:
             key.data(key.fileobj)
         self.run_due()
 
+    def run_ready(self) -> int:
+        """Handle every reader that is ready now, without waiting; how many were."""
+        ready = self._selector.select(0)
+        for key, _ in ready:
+            key.data(key.fileobj)
+        return len(ready)
+
     def run_due(self) -> None:
         """Run the timers that are due now, earliest first."""
         now = self.clock()
