@@ -1285,7 +1285,9 @@ def test_a_deadline_that_passes_before_the_watchdog_is_up_is_interrupted_on_time
     """Until the watchdog answers, the thread that waits for its answer stands in for
     it: a scope that expires meanwhile is interrupted at its deadline, not when the
     watchdog comes up (here: only after the scope ended), and the watchdog, once up,
-    records it."""
+    records it. The scope before it ended in time: the hanging one, later than the
+    deadline the first promised, says nothing when entered, and is enforced all the
+    same."""
     gate = _gated_watchdog(pytester, monkeypatch)
     pytester.makepyfile(
         test_hang=f"""
@@ -1293,6 +1295,9 @@ def test_a_deadline_that_passes_before_the_watchdog_is_up_is_interrupted_on_time
         import pytest_elastic_timer as et
 
         def test_hang():
+            with et.expires(0.2, scope="quick"):
+                pass
+            time.sleep(0.05)
             scope = et.expires(0.3, scope="hang")
             try:
                 with scope:
@@ -1307,6 +1312,44 @@ def test_a_deadline_that_passes_before_the_watchdog_is_up_is_interrupted_on_time
     late = re.search(r"LATE (\S+)", session.stdout)
     assert late is not None and float(late.group(1)) < 5, session.stdout
     session.assert_expired("test_hang", "test_hang::call/hang", 0.3)
+    assert "in-process" not in session.text
+    session.assert_clean()
+
+
+def test_short_scopes_before_the_watchdog_is_up_do_not_fill_its_connection(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before the watchdog answers, a process tells it of a deadline only when it is
+    earlier than those it told already: a loop of short scopes while the watchdog is
+    slow to come up does not fill the connection (a full one blocks the next scope
+    until the watchdog reads)."""
+    gate = _gated_watchdog(pytester, monkeypatch)
+    pytester.makepyfile(
+        test_loop=f"""
+        import time
+        import pytest_elastic_timer as et
+
+        def test_loop():
+            # Each deadline passes before the next scope: without the rule, each scope
+            # would send one, and some 300 fill the connection.
+            end = time.monotonic() + 3
+            entered = 0
+            try:
+                while time.monotonic() < end:
+                    try:
+                        with et.expires(0.002):
+                            pass
+                    except et.ScopeExpired:
+                        pass  # a loaded machine can hold a process up for 2 ms
+                    time.sleep(0.003)
+                    entered += 1
+            finally:
+                open({str(gate)!r}, "w").close()  # the watchdog comes up now
+            assert entered > 400
+        """
+    )
+    session = run(pytester, timeout=30)
+    session.result.assert_outcomes(passed=1)
     assert "in-process" not in session.text
     session.assert_clean()
 

@@ -160,6 +160,10 @@ class ProcessState:
         self.standby_socket: socket.socket | None = None  # what the thread waits on
         # Wakes the standby thread: a deadline earlier than it knew, or the answer read.
         self.standby_waker: socket.socket | None = None
+        self.standby_woken: socket.socket | None = None  # the thread's end
+        # The earliest "wake" sent before the watchdog answered: it has yet to read
+        # them, and the first it reads makes it look at the whole table.
+        self.wake_queued = float("inf")
         self.standby_ended = False  # close() was called: a standby thread ends quietly
         self.lose_lock = threading.Lock()
         # Free slots. A deque: a list that a loop's one scope empties and fills again
@@ -318,6 +322,7 @@ class ProcessState:
         # process sends on.
         watched = self.standby_socket = socket.socket(fileno=os.dup(sock.fileno()))
         self.standby_waker, woken = socket.socketpair()
+        self.standby_woken = woken
         self.standby = threading.Thread(
             target=self._await_welcome,
             args=(watched, woken),
@@ -338,7 +343,8 @@ class ProcessState:
         comes within ``WELCOME_TIMEOUT``, enforce scopes in-process from then on."""
         with watched, woken:
             why = self._stand_in(watched, woken)
-        if why and not self.standby_ended:
+        # The process may have read the answer, or lost the watchdog, meanwhile.
+        if why and not self.standby_ended and not self.welcomed:
             self._lose(why)
 
     def _stand_in(self, watched: socket.socket, woken: socket.socket) -> str:
@@ -349,22 +355,23 @@ class ProcessState:
         table = self.table
         give_up = _monotonic() + WELCOME_TIMEOUT
         fired: set[int] = set()
-        while not self.welcomed and not self.standby_ended:
+        while not self.welcomed and not self.standby_ended and self.sentinel is None:
             now = _monotonic()
             if now >= give_up:
                 return "the watchdog did not answer"
             armed = table.floats[tbl.H_ARMED]
             if armed and armed <= now:
-                # The deadline it promised has passed: the next scope entered tells us
-                # (and the watchdog) of its own.
-                table.floats[tbl.H_ARMED] = 0.0
+                # The deadline promised has passed: the next scope entered tells us of
+                # its own. Until then a later scope does not (it is not earlier than
+                # the promise), so the thread also wakes at the promise.
+                table.floats[tbl.H_ARMED] = armed = 0.0
             earliest, due = table.due_slots(now)
             if not table.floats[tbl.H_SUSPENDED]:
                 for slot in due:
                     if slot.serial not in fired and self.interrupt_sig:
                         fired.add(slot.serial)
                         _kill(self.pid, self.interrupt_sig)
-            wait = max(0.0, min(give_up, earliest) - now)
+            wait = max(0.0, min(give_up, earliest, armed or give_up) - now)
             ready = _select([watched, woken], [], [], wait)[0]
             if woken in ready:
                 with contextlib.suppress(OSError):
@@ -426,6 +433,15 @@ class ProcessState:
         ):
             signal.signal(self.interrupt_sig, self.previous_handler)
             self.previous_handler = None
+
+    def forget_descriptors(self) -> None:
+        """In a child forked from this process: close its copies of the descriptors of
+        this state (the connection, the standby thread's), which stay open in the
+        parent; the thread itself did not come along."""
+        for sock in (self.sock, self.standby_socket, self.standby_waker, self.standby_woken):
+            if sock is not None:
+                sock.close()
+        self.sock = None
 
     def _close_socket(self) -> None:
         if self.sock is not None:
@@ -604,7 +620,12 @@ class ProcessState:
                 self.welcome()
         if self.sentinel is not None:
             self.sentinel.wake()
-        else:
+        elif self.welcomed:
+            self.send("wake", at=deadline)
+        elif deadline < self.wake_queued:
+            # Not read yet: only an earlier one adds anything (and a watchdog slow to
+            # come up does not find the connection's buffer full of them).
+            self.wake_queued = deadline
             self.send("wake", at=deadline)
 
     def send(self, op: str, /, **fields: Any) -> None:
@@ -657,6 +678,7 @@ class ProcessState:
             self._close_socket()
             self.sentinel = Sentinel(self, self.table)
             self.sentinel.wake()
+        self._wake_standby()  # it ends: the sentinel enforces from now on
 
     def request(self, op: str, **fields: Any) -> dict[str, Any]:
         """Send ``op`` and wait for the watchdog's answer (used by the plugin only)."""

@@ -171,8 +171,8 @@ def _keep() -> None:
 def _forget_after_fork() -> None:
     # The child owns none of its parent's scopes: it starts with a table of its own.
     global _state, _state_lock, _tls
-    if _state is not None and _state.sock is not None:
-        _state.sock.close()  # our copy only; the parent's connection stays open
+    if _state is not None:
+        _state.forget_descriptors()  # our copies only; the parent's stay open
     _state = None
     _state_lock = threading.Lock()
     _tls = threading.local()

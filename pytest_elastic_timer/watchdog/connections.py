@@ -63,19 +63,22 @@ class Connections:
             conn.send(wire.encode(op, **fields))
 
     def _accept(self, _listener: Any) -> None:
-        try:
-            conn, _ = self.listener.accept()
-        except BlockingIOError:
-            return
-        pid = self.vouch(conn)
-        if pid is None:
-            # Another user, or a process of this user outside the session: refused.
-            self.drop()
-            conn.close()
-            return
-        conn.setblocking(False)
-        self.peers[conn] = pid
-        self.loop.add_reader(conn, self.read)
+        # Every connection waiting: a watchdog that comes up late finds its session's
+        # processes in the backlog all at once.
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except BlockingIOError:
+                return
+            pid = self.vouch(conn)
+            if pid is None:
+                # Another user, or a process of this user outside the session: refused.
+                self.drop()
+                conn.close()
+                continue
+            conn.setblocking(False)
+            self.peers[conn] = pid
+            self.loop.add_reader(conn, self.read)
 
     def read(self, conn: socket.socket) -> None:
         """Handle every message waiting on ``conn``; end it if the peer went away."""

@@ -46,7 +46,7 @@ from pytest_elastic_timer.watchdog.scanner import Scanner
 
 SOCKET_NAME = "watchdog.sock"
 RECORDS_NAME = "records.jsonl"
-DRAIN_TURNS = 50  # loop turns that read what processes sent before the stop
+DRAIN_SECONDS = 1.0  # at most, reading what processes sent before the stop
 Handler = Callable[[socket.socket, int, dict[str, Any]], None]
 
 
@@ -300,11 +300,11 @@ class Watchdog:
         clock = self.loop.clock
         # First what processes sent before the stop: a connection not accepted yet, a
         # report not read yet (a watchdog that came up after the session's last test
-        # still records the expiries their owners reported). A bounded number of
-        # turns: a process that keeps sending does not hold the end up.
-        for _ in range(DRAIN_TURNS):
-            if not self.loop.run_ready():
-                break
+        # still records the expiries their owners reported). Bounded: processes that
+        # keep sending do not hold the end up.
+        drain_until = clock() + DRAIN_SECONDS
+        while self.loop.run_ready() and clock() < drain_until:
+            pass
         give_up = clock() + self.grace + self.kill_after + 3.0
         while self.scanner.pending() and clock() < give_up:
             self.run_once(max_wait=0.02)
