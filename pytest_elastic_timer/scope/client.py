@@ -366,11 +366,7 @@ class ProcessState:
                 # the promise), so the thread also wakes at the promise.
                 table.floats[tbl.H_ARMED] = armed = 0.0
             earliest, due = table.due_slots(now)
-            if not table.floats[tbl.H_SUSPENDED]:
-                for slot in due:
-                    if slot.serial not in fired and self.interrupt_sig:
-                        fired.add(slot.serial)
-                        _kill(self.pid, self.interrupt_sig)
+            interrupt_due(table, due, fired, self.interrupt_sig)
             wait = max(0.0, min(give_up, earliest, armed or give_up) - now)
             ready = _select([watched, woken], [], [], wait)[0]
             if woken in ready:
@@ -731,17 +727,25 @@ class Sentinel:
                 now = _monotonic()
                 floats[tbl.H_ARMED] = 0.0
                 earliest, due = self.table.due_slots(now)
-                for slot in due:
-                    if slot.serial not in self.fired and not floats[tbl.H_SUSPENDED]:
-                        self.fired.add(slot.serial)
-                        self._interrupt()
+                interrupt_due(self.table, due, self.fired, self.state.interrupt_sig)
                 floats[tbl.H_ARMED] = earliest
                 timeout = None if earliest == float("inf") else max(0.0, earliest - now)
                 self.cond.wait(timeout)
 
-    def _interrupt(self) -> None:
-        if self.state.interrupt_sig:
-            _kill(os.getpid(), self.state.interrupt_sig)
+
+def interrupt_due(
+    table: tbl.ScopeTable, due: list[tbl.SlotView], fired: set[int], signum: int
+) -> None:
+    """Send this process ``signum`` (its interrupt) for each slot of ``due`` not
+    interrupted yet (``fired`` keeps their serials), unless a debugger holds the
+    table's deadlines: in-process enforcement, by the sentinel or the standby thread
+    (the table may be one the process state does not hold yet)."""
+    if not signum or table.floats[tbl.H_SUSPENDED]:
+        return
+    for slot in due:
+        if slot.serial not in fired:
+            fired.add(slot.serial)
+            _kill(os.getpid(), signum)
 
 
 def scale_from_env() -> float:

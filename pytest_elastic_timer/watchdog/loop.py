@@ -75,13 +75,15 @@ class Loop:
         timeout = None if due is None else min(max(0.0, due - self.clock()), LONGEST_WAIT)
         if max_wait is not None:
             timeout = max_wait if timeout is None else min(timeout, max_wait)
-        for key, _ in self._selector.select(timeout):
-            key.data(key.fileobj)
+        self._run_readers(timeout)
         self.run_due()
 
     def run_ready(self) -> int:
         """Handle every reader that is ready now, without waiting; how many were."""
-        ready = self._selector.select(0)
+        return self._run_readers(0)
+
+    def _run_readers(self, timeout: float | None) -> int:
+        ready = self._selector.select(timeout)
         for key, _ in ready:
             key.data(key.fileobj)
         return len(ready)
