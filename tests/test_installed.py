@@ -290,6 +290,7 @@ def test_sitecustomize_chains_without_undoing_the_shadowed_one(
 # the stack is written to $PATCHED_CALLS, then the real function runs.
 PATCHING_CONFTEST = """
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -317,6 +318,18 @@ def _counting(name, real):
     return stand_in
 
 
+# What freezegun does while a test freezes time: every module attribute that *is*
+# time.time or time.monotonic, in every module loaded (here: the package's), is replaced.
+_frozen = {
+    id(time.time): _counting("time.time (a module's own)", time.time),
+    id(time.monotonic): _counting("time.monotonic (a module's own)", time.monotonic),
+}
+for _module_name, _module in list(sys.modules.items()):
+    if _module_name.startswith("pytest_elastic_timer"):
+        for _attribute, _value in list(vars(_module).items()):
+            if id(_value) in _frozen:
+                setattr(_module, _attribute, _frozen[id(_value)])
+
 time.sleep = _counting("time.sleep", time.sleep)
 time.time = _counting("time.time", time.time)
 time.monotonic = _counting("time.monotonic", time.monotonic)
@@ -332,6 +345,20 @@ class _CountingPopen(subprocess.Popen):
 
 
 subprocess.Popen = _CountingPopen
+
+
+# What pytest-socket does: --disable-socket replaces the class socket.socket during each
+# test, --allow-hosts replaces its connect method.
+class _CountingSocket(socket.socket):
+    def __init__(self, *args, **kwargs):
+        _counting("socket.socket", lambda: None)()
+        super().__init__(*args, **kwargs)
+
+
+_Socket = socket.socket
+_Socket.connect = _counting("socket.socket.connect", _Socket.connect)
+socket.socket = _CountingSocket
+socket.socketpair = _counting("socket.socketpair", socket.socketpair)
 """
 
 PATCHED_SUITE = '''
@@ -386,7 +413,9 @@ def test_after():
 def test_nothing_goes_through_names_a_test_may_patch(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, workers: list[str]
 ) -> None:
-    """time.sleep, time.time, time.monotonic, os.kill and subprocess's functions,
+    """time.sleep, time.time, time.monotonic (also where a module of the package holds
+    them, as freezegun replaces them there), os.kill, subprocess's functions, and
+    socket.socket, its connect and socket.socketpair (as pytest-socket replaces them),
     replaced for a whole session (scopes, an expiry, a leftover process the plugin ends,
     a nested session that starts and stops its own watchdog, xdist), are never called
     by the plugin in a test's process."""
@@ -498,3 +527,128 @@ def test_only_the_outermost_session_ends_with_its_process(pytester: pytest.Pytes
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-s")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["ends with its process: True"])
+
+
+# Time frozen by freezegun and sockets blocked by pytest-socket, as a test suite that
+# uses them does: scopes in the test, in a child process and in a forked one, an expiry,
+# a session-wide event, and a nested session that starts its own watchdog.
+FROZEN_BLOCKED_SUITE = '''
+import multiprocessing
+import os
+import subprocess
+import sys
+
+import pytest
+import pytest_elastic_timer as et
+from freezegun import freeze_time
+
+# A deadline lost to the frozen clock fails the test instead of hanging the session.
+pytestmark = pytest.mark.expires(20)
+
+CHILD = """
+import os
+import pytest_elastic_timer as et
+with et.expires(0.3, scope="child"):
+    while True:
+        os.times()
+"""
+
+INNER = """
+import pytest_elastic_timer as et
+
+
+def test_inner():
+    with et.expires(30, scope="inner"):
+        pass
+"""
+
+
+def _forked(queue):
+    try:
+        with et.expires(0.3, scope="forked"):
+            while True:
+                os.times()
+    except et.ScopeExpired as exc:
+        queue.put((exc.scope, exc.elapsed))
+
+
+def test_a_deadline_in_frozen_time_is_on_the_real_clock():
+    with freeze_time("2012-01-14"):
+        with pytest.raises(et.ScopeExpired) as info:
+            with et.expires(0.3, scope="frozen"):
+                while True:
+                    os.times()
+    assert info.value.scope.endswith("/frozen")
+    assert 0.3 <= info.value.elapsed < 5
+
+
+def test_moving_frozen_time_expires_nothing():
+    with freeze_time("2012-01-14") as frozen:
+        with et.expires(5, scope="moved"):
+            frozen.tick(3600)
+            frozen.move_to("1990-01-01")
+        with et.expires(5, scope="after"):
+            pass
+
+
+def test_children_and_an_event():
+    child = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True)
+    assert child.returncode != 0 and "'child' expired" in child.stderr, child.stderr
+    queue = multiprocessing.get_context("fork").Queue()
+    forked = multiprocessing.get_context("fork").Process(target=_forked, args=(queue,))
+    forked.start()
+    scope, elapsed = queue.get(timeout=30)
+    forked.join(30)
+    assert scope.endswith("forked") and elapsed < 5
+    event = et.Event("ready")
+    event.set()
+    assert event.wait(5)
+
+
+def test_nested_session(pytester):
+    pytester.makepyfile(test_inner=INNER)
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:asyncio")
+    result.assert_outcomes(passed=1)
+
+
+@pytest.mark.expires(3)
+def test_a_hang_with_time_frozen():
+    with freeze_time("2012-01-14"):
+        with et.expires(0.5, scope="hung"):
+            while True:
+                os.times()
+'''
+
+
+@pytest.mark.expires(120)  # a lost deadline fails here instead of hanging the suite
+@pytest.mark.parametrize(
+    "blocking",
+    [["--disable-socket"], ["--allow-hosts=127.0.0.1"], ["--disable-socket", "-n", "2"]],
+    ids=["disable-socket", "allow-hosts", "disable-socket-xdist"],
+)
+def test_frozen_time_and_blocked_sockets_change_nothing(
+    pytester: pytest.Pytester, blocking: list[str]
+) -> None:
+    """Under freezegun's frozen clock and pytest-socket's blocked sockets, scopes expire
+    on the real clock (after their budget, not never or at once), in the test, a child
+    and a forked child, a session-wide event works, a nested session starts and stops
+    its watchdog, and a hang is reported by its scope."""
+    pytest.importorskip("freezegun")
+    pytest.importorskip("pytest_socket")
+    pytester.makepyfile(test_frozen=FROZEN_BLOCKED_SUITE)
+    result = pytester.runpytest_subprocess(
+        "-p",
+        "pytester",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:asyncio",
+        "-p",
+        "no:randomly",
+        "-p",
+        "xdist",
+        *blocking,
+    )
+    result.assert_outcomes(passed=4, failed=1)
+    hung = r"scope 'test_a_hang_with_time_frozen::call/hung' expired after 0\.\d\ds"
+    result.stdout.re_match_lines([rf".*{hung} \(budget 0\.5s\): interrupted"])

@@ -36,11 +36,12 @@ import mmap
 import os
 import re
 import struct
-import time
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+from pytest_elastic_timer.core import unpatched
 
 MAGIC = 0x3130_4C4F_4354_4550  # b"PETCOL01" read as a little-endian u64
 VERSION = 1
@@ -192,7 +193,7 @@ class RingWriter:
         self.words[H_PID] = pid
         self.words[H_CAPACITY] = self.capacity
         self.signed[H_RANK] = -1
-        self.floats[H_CREATED] = time.time()
+        self.floats[H_CREATED] = unpatched.now()
         self.words[H_STARTTIME] = process_starttime(pid)
         self.words[H_MAGIC] = MAGIC
 
@@ -262,7 +263,7 @@ class RingWriter:
         if self.entry_words[position * 64] != serial:
             return
         offset = ENTRIES_OFFSET + position * ENTRY_SIZE
-        _END.pack_into(self.mm, offset + 48, time.monotonic() if end is None else end)
+        _END.pack_into(self.mm, offset + 48, unpatched.monotonic() if end is None else end)
         _STATE.pack_into(self.mm, offset + 56, state)
 
     def mark_exited(self) -> None:

@@ -22,10 +22,9 @@ from __future__ import annotations
 import array
 import os
 import socket
-import time
 from typing import Any
 
-from pytest_elastic_timer.core import wire
+from pytest_elastic_timer.core import unpatched, wire
 
 JOIN_SOCKET = "join.sock"
 MAX_FDS = 4  # gateway descriptors a join may carry
@@ -54,10 +53,10 @@ class Link:
     """A worker's joined link to its host's watchdog; open for the worker's life."""
 
     def __init__(self, directory: str, worker: str, gateway_fds: list[int]) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sock = unpatched.Socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.sock.settimeout(10.0)
         try:
-            self.sock.connect(os.path.join(directory, JOIN_SOCKET))
+            unpatched.connect(self.sock, os.path.join(directory, JOIN_SOCKET))
             message = wire.encode("join", pid=os.getpid(), worker=worker)
             send_with_fds(self.sock, message, gateway_fds[:MAX_FDS])
             op, fields = wire.decode(self.sock.recv(wire.MAX_MESSAGE))
@@ -83,11 +82,11 @@ class Link:
 def fetch(directory: str, worker: str, patience: float) -> list[dict[str, Any]]:
     """The records of ``worker`` that the watchdog in ``directory`` made, once it no
     longer escalates against it (or ``patience`` seconds passed); [] without one."""
-    give_up = time.monotonic() + patience
-    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+    give_up = unpatched.monotonic() + patience
+    with unpatched.Socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
         sock.settimeout(10.0)
         try:
-            sock.connect(os.path.join(directory, JOIN_SOCKET))
+            unpatched.connect(sock, os.path.join(directory, JOIN_SOCKET))
         except OSError:
             return []
         while True:
@@ -103,6 +102,6 @@ def fetch(directory: str, worker: str, patience: float) -> list[dict[str, Any]]:
                         break
             except (OSError, wire.BadMessage):
                 return []
-            if not fields.get("pending") or time.monotonic() > give_up:
+            if not fields.get("pending") or unpatched.monotonic() > give_up:
                 return records
-            time.sleep(0.05)
+            unpatched.sleep(0.05)

@@ -1,9 +1,10 @@
-"""The functions of ``time``, ``os``, ``select`` and ``subprocess`` this package calls in
-test processes, bound when the package is first imported.
+"""The functions of ``time``, ``os``, ``select``, ``socket`` and ``subprocess`` this
+package calls in test processes, bound when the package is first imported.
 
 A test may replace ``time.sleep``, ``time.time``, ``os.kill`` or ``subprocess.Popen``
-with a mock (to test retry delays, say), and the plugin still works inside that test and
-inside a pytest session the test runs: stopping a watchdog, ending a leftover process,
+with a mock (to test retry delays, say), freeze the clocks (freezegun), or block sockets
+(pytest-socket), and the plugin still works inside that test and inside a pytest session
+the test runs: entering scopes, stopping a watchdog, ending a leftover process,
 delivering an interrupt. Modules imported late (the process-tree code, which loads
 psutil only where a leak is looked at) take these references from here, bound before
 any test ran.
@@ -11,14 +12,20 @@ any test ran.
 
 from __future__ import annotations
 
+import _socket
+import functools
 import os
 import select as _select_module
+import socket
 import subprocess
 import time
 
 sleep = time.sleep
-now = time.time
-monotonic = time.monotonic
+# Deadlines are on the real clock, frozen or not. While a test freezes time, freezegun
+# replaces every module attribute that *is* ``time.time`` or ``time.monotonic`` with its
+# fake, in every module loaded; these are the same functions under another identity.
+now = functools.partial(time.time)
+monotonic = functools.partial(time.monotonic)
 kill = os.kill
 select = _select_module.select
 Popen = subprocess.Popen
@@ -29,3 +36,16 @@ posix_spawn = getattr(os, "posix_spawn", None)
 waitpid = os.waitpid
 waitid = getattr(os, "waitid", None)
 pidfd_open = getattr(os, "pidfd_open", None)
+
+# pytest-socket's --disable-socket replaces the class ``socket.socket`` for the length of
+# each test, and its --allow-hosts replaces ``socket.socket.connect``: the plugin's own
+# Unix sockets (to its watchdog) are made and connected with these.
+Socket = socket.socket
+connect = socket.socket.connect  # the method itself, not whatever the class holds later
+
+
+def socketpair() -> tuple[socket.socket, socket.socket]:
+    """A connected pair of Unix stream sockets made with :data:`Socket` (the standard
+    ``socket.socketpair`` wraps its pair in whatever ``socket.socket`` is by then)."""
+    first, second = _socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    return Socket(fileno=first.detach()), Socket(fileno=second.detach())

@@ -61,9 +61,9 @@ def sweep_stale(root: str | None, older_than: float = 60.0) -> list[str]:
             continue
         if st.st_uid != os.getuid() or _now() - st.st_mtime < older_than:
             continue
-        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as probe:
+        with unpatched.Socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as probe:
             try:
-                probe.connect(os.path.join(directory, SOCKET_NAME))
+                unpatched.connect(probe, os.path.join(directory, SOCKET_NAME))
                 continue  # a live watchdog
             except OSError:
                 pass
@@ -230,7 +230,7 @@ def start(
     try:
         os.mkfifo(fifo, 0o600)
         fifo_fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
-        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as listener:
+        with unpatched.Socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as listener:
             listener.bind(address)
             os.chmod(address, 0o600)
             listener.listen(LISTEN_BACKLOG)

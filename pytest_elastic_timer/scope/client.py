@@ -72,6 +72,7 @@ CO_ASYNC = inspect.CO_COROUTINE | inspect.CO_ITERABLE_COROUTINE | inspect.CO_ASY
 # A test may replace these with mocks, and what this package does in that test's
 # process must not call them.
 _monotonic = unpatched.monotonic
+_connect = unpatched.connect
 _kill = unpatched.kill
 _select = unpatched.select
 
@@ -237,9 +238,9 @@ class ProcessState:
 
     def _connect(self, address: str) -> tbl.ScopeTable:
         directory = os.path.dirname(address)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock = unpatched.Socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         sock.settimeout(10.0)
-        sock.connect(address)
+        _connect(sock, address)
         self.sock = sock
         path = os.path.join(directory, f"table-{self.pid}-{uuid.uuid4().hex[:8]}")
         table = tbl.ScopeTable.create(path)
@@ -320,8 +321,18 @@ class ProcessState:
             return
         # A descriptor of its own: the thread never reads, or closes, the one this
         # process sends on.
-        watched = self.standby_socket = socket.socket(fileno=os.dup(sock.fileno()))
-        self.standby_waker, woken = socket.socketpair()
+        try:
+            watched = unpatched.Socket(fileno=os.dup(sock.fileno()))
+        except OSError:  # out of descriptors: wait for the answer here instead
+            self.welcome()
+            return
+        try:
+            self.standby_waker, woken = unpatched.socketpair()
+        except OSError:
+            watched.close()
+            self.welcome()
+            return
+        self.standby_socket = watched
         self.standby_woken = woken
         self.standby = threading.Thread(
             target=self._await_welcome,

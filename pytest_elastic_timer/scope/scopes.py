@@ -22,11 +22,10 @@ import threading
 import warnings
 from collections import deque
 from collections.abc import Callable
-from time import monotonic
 from types import FrameType, TracebackType
 from typing import Any
 
-from pytest_elastic_timer.core import afterfork
+from pytest_elastic_timer.core import afterfork, unpatched
 from pytest_elastic_timer.core import table as tbl
 from pytest_elastic_timer.core.seconds import check_seconds
 from pytest_elastic_timer.scope import client, delivery, ranklabel
@@ -60,6 +59,7 @@ _H_ARMED = tbl.H_ARMED
 _INF = math.inf
 _NUMBERS = (int, float)
 _EARLY = delivery.EARLY
+monotonic = unpatched.monotonic  # the real clock, even while a test freezes time
 
 
 # Called (without arguments) whenever a ScopeExpired is about to be raised here, after

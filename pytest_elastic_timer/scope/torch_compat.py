@@ -52,6 +52,8 @@ class TimerClient:
 
     def acquire(self, scope_id: str, expiration_time: float) -> None:
         """Open scope ``scope_id`` that expires at wall-clock ``expiration_time``."""
+        # torch's expires() read time.time() just before, as this does: on the same clock
+        # (a frozen one, while a test freezes time), whatever the test did to it.
         after = round(max(0.0, float(expiration_time) - time.time()), 3)
         scope = TimerRequest(after, str(scope_id))
         scope.at = _caller(sys._getframe(1))

@@ -233,10 +233,10 @@ class _Call:
                 "start (they inherit the variable)."
             )
         self.what = what
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        sock = unpatched.Socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             sock.settimeout(_QUICK)
-            sock.connect(address)
+            unpatched.connect(sock, address)
         except OSError as exc:
             sock.close()
             raise RuntimeError(
