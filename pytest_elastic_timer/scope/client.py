@@ -319,28 +319,30 @@ class ProcessState:
         sock = self.sock
         if self.welcomed or sock is None or self.standby is not None or self.standby_ended:
             return
-        # A descriptor of its own: the thread never reads, or closes, the one this
-        # process sends on.
+        made: list[socket.socket] = []
         try:
+            # A descriptor of its own: the thread never reads, or closes, the one this
+            # process sends on.
             watched = unpatched.Socket(fileno=os.dup(sock.fileno()))
-        except OSError:  # out of descriptors: wait for the answer here instead
+            made.append(watched)
+            waker, woken = unpatched.socketpair()
+            made += (waker, woken)
+            standby = threading.Thread(
+                target=self._await_welcome,
+                args=(watched, woken),
+                name=f"{THREAD_PREFIX}standby",
+                daemon=True,
+            )
+            start_helper(standby)
+        except (OSError, RuntimeError):
+            # Out of descriptors or threads: wait for the answer here instead (the
+            # deadline that asked for it must not go unheard).
+            for made_socket in made:
+                made_socket.close()
             self.welcome()
             return
-        try:
-            self.standby_waker, woken = unpatched.socketpair()
-        except OSError:
-            watched.close()
-            self.welcome()
-            return
-        self.standby_socket = watched
-        self.standby_woken = woken
-        self.standby = threading.Thread(
-            target=self._await_welcome,
-            args=(watched, woken),
-            name=f"{THREAD_PREFIX}standby",
-            daemon=True,
-        )
-        start_helper(self.standby)
+        self.standby_socket, self.standby_waker, self.standby_woken = watched, waker, woken
+        self.standby = standby
 
     def _wake_standby(self) -> None:
         waker = self.standby_waker
