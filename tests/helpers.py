@@ -40,6 +40,12 @@ LEAN = (
     "no:xdist",
     "-p",
     "no:timeout",
+    # Libraries that tests/test_installed.py runs beside the plugin: where pyfakefs is
+    # loaded, the plugin loads its report machinery up front.
+    "-p",
+    "no:fakefs",
+    "-p",
+    "no:socket",
 )
 
 # A test whose helper process (no scopes of its own, not a rank) sleeps in

@@ -652,3 +652,89 @@ def test_frozen_time_and_blocked_sockets_change_nothing(
     result.assert_outcomes(passed=4, failed=1)
     hung = r"scope 'test_a_hang_with_time_frozen::call/hung' expired after 0\.\d\ds"
     result.stdout.re_match_lines([rf".*{hung} \(budget 0\.5s\): interrupted"])
+
+
+# pyfakefs fakes the file system for the tests that ask for it: the plugin keeps the
+# real one (an expiry's report, its ranks' rings, the leftover check, a forked child's
+# table), and a test after them finds the plugin whole.
+FAKED_FILESYSTEM_SUITE = """
+import os
+import subprocess
+import sys
+
+import pytest
+import pytest_elastic_timer as et
+
+pytestmark = pytest.mark.expires(20)
+
+
+def _forked():
+    try:
+        with et.expires(0.3, scope="forked"):
+            while True:
+                os.times()
+    except et.ScopeExpired as exc:
+        os._exit(7 if exc.scope == "forked" and exc.elapsed < 5 else 8)
+    os._exit(9)
+
+
+@pytest.mark.expires(3)
+def test_a_hang_with_the_file_system_faked(fs):
+    fs.create_file("/data/x.txt", contents="x")
+    with et.expires(0.3, scope="faked"):
+        while True:
+            os.times()
+
+
+def test_a_forked_child_with_the_file_system_faked(fs):
+    # A bare fork: multiprocessing's own pipes do not survive a faked file system.
+    pid = os.fork()
+    if pid == 0:
+        _forked()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 7
+
+
+def test_leaves_a_process_with_the_file_system_faked(fs):
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+@pytest.mark.expires(3)
+def test_a_hang_after_them():
+    with et.expires(0.3, scope="after"):
+        while True:
+            os.times()
+"""
+
+
+@pytest.mark.expires(120)
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one", "xdist"])
+def test_a_faked_file_system_leaves_the_plugin_the_real_one(
+    pytester: pytest.Pytester, workers: list[str]
+) -> None:
+    """With pyfakefs faking the file system in some tests, scopes in them and in a
+    forked child expire and are reported, the leftover process is found and ended, and
+    a later test's expiry is reported: no INTERNALERROR from a module of the plugin that
+    was loaded while the file system was fake."""
+    pytest.importorskip("pyfakefs")
+    pytester.makepyfile(test_faked=FAKED_FILESYSTEM_SUITE)
+    result = pytester.runpytest_subprocess(
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:asyncio",
+        "-p",
+        "xdist",
+        "--elastic-timer-leaks=kill",
+        *workers,
+    )
+    result.assert_outcomes(passed=2, failed=2, warnings=1)
+    assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
+    for test, scope in [
+        ("test_a_hang_with_the_file_system_faked", "faked"),
+        ("test_a_hang_after_them", "after"),
+    ]:
+        result.stdout.fnmatch_lines(
+            [f"*scope '{test}::call/{scope}' expired after 0.3*s (budget 0.3s)*"]
+        )
+    result.stdout.fnmatch_lines(["*test_leaves_a_process_with_the_file_system_faked left 1*"])

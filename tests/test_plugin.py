@@ -1023,8 +1023,9 @@ def test_a_passing_session_loads_no_failure_machinery(pytester: pytest.Pytester)
         test_one="import time\n\ndef test_one():\n    time.sleep(0.3)\n",
         test_fails="def test_fails():\n    assert False\n",
     )
-    # Every plugin of this environment loaded, pytest-xdist too (not used: no -n).
-    passing = run(pytester, "test_one.py", report=False, lean=False)
+    # Every plugin of this environment loaded, pytest-xdist too (not used: no -n), but
+    # pyfakefs: where it is loaded, the plugin loads its report machinery up front.
+    passing = run(pytester, "test_one.py", "-p", "no:fakefs", report=False, lean=False)
     passing.result.assert_outcomes(passed=1)
     assert "FAILURE MODULES " in passing.lines  # none, though the watchdog answered
     failing = run(pytester, "test_fails.py", report=False)

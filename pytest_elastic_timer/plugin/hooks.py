@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from pytest_elastic_timer.core import torch_hook
-from pytest_elastic_timer.plugin import hookspecs, leaks, lifecycle, running
+from pytest_elastic_timer.plugin import hookspecs, leaks, lifecycle, real_filesystem, running
 from pytest_elastic_timer.plugin.budgets import BudgetBook, Budgets
 from pytest_elastic_timer.plugin.fixtures import elastic_timer as elastic_timer
 from pytest_elastic_timer.plugin.fixtures import elastic_timer_server as elastic_timer_server
@@ -145,7 +145,10 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_collection(session: pytest.Session) -> Generator[None, None, None]:
     scopes.process_state().set_phase("collection")
-    return (yield)
+    collected = yield
+    # Test modules are imported by now, and with them any library they use.
+    real_filesystem.keep_if_faked()
+    return collected
 
 
 @pytest.hookimpl(wrapper=True)
