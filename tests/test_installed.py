@@ -296,23 +296,28 @@ import sys
 import time
 
 PACKAGE = os.sep + "pytest_elastic_timer" + os.sep
+_getpid = os.getpid
 
 
-def _from_the_package():
+def _from_the_package(direct):
     frame = sys._getframe(2)
     while frame is not None:
         if PACKAGE in frame.f_code.co_filename:
             return f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        if direct:
+            return None
         frame = frame.f_back
     return None
 
 
-def _counting(name, real):
+def _counting(name, real, direct=False):
+    # direct: only the package's own calls count, not those of what it calls (the
+    # standard library reads the pid for its own bookkeeping: tempfile, say).
     def stand_in(*args, **kwargs):
-        where = _from_the_package()
+        where = _from_the_package(direct)
         if where is not None:
             with open(os.environ["PATCHED_CALLS"], "a", encoding="utf-8") as f:
-                f.write(f"{os.getpid()} {name} from {where}\\\\n")
+                f.write(f"{_getpid()} {name} from {where}\\\\n")
         return real(*args, **kwargs)
 
     return stand_in
@@ -334,6 +339,7 @@ time.sleep = _counting("time.sleep", time.sleep)
 time.time = _counting("time.time", time.time)
 time.monotonic = _counting("time.monotonic", time.monotonic)
 os.kill = _counting("os.kill", os.kill)
+os.getpid = _counting("os.getpid", os.getpid, direct=True)
 for _name in ("run", "call", "check_call", "check_output"):
     setattr(subprocess, _name, _counting(f"subprocess.{_name}", getattr(subprocess, _name)))
 
@@ -414,7 +420,7 @@ def test_nothing_goes_through_names_a_test_may_patch(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, workers: list[str]
 ) -> None:
     """time.sleep, time.time, time.monotonic (also where a module of the package holds
-    them, as freezegun replaces them there), os.kill, subprocess's functions, and
+    them, as freezegun replaces them there), os.kill, os.getpid, subprocess's functions, and
     socket.socket, its connect and socket.socketpair (as pytest-socket replaces them),
     replaced for a whole session (scopes, an expiry, a leftover process the plugin ends,
     a nested session that starts and stops its own watchdog, xdist), are never called

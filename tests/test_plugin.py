@@ -1328,6 +1328,7 @@ def test_a_deadline_before_the_watchdog_is_up_without_descriptors_to_spare(
         test_hang=f"""
         import os
         import resource
+        import signal
         import threading
         import time
         import pytest_elastic_timer as et
@@ -1340,6 +1341,9 @@ def test_a_deadline_before_the_watchdog_is_up_without_descriptors_to_spare(
             os.close(lowest_free)
 
             def open_up():
+                # The interrupt is for the main thread: a thread that takes it while the
+                # main one sleeps holds it back until the sleep ends.
+                signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
                 resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
                 os.rename(ready, {str(gate)!r})  # the watchdog comes up now
 

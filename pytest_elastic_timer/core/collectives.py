@@ -187,7 +187,7 @@ class RingWriter:
         self.floats = memoryview(self.mm)[:HEADER_SIZE].cast("d")
         self.entry_words = memoryview(self.mm)[ENTRIES_OFFSET:].cast("Q")
         self.count = 0
-        pid = os.getpid()
+        pid = unpatched.getpid()
         self.words[H_VERSION] = VERSION
         self.words[H_PID] = pid
         self.words[H_CAPACITY] = self.capacity

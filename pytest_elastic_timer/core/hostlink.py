@@ -57,7 +57,7 @@ class Link:
         self.sock.settimeout(10.0)
         try:
             unpatched.connect(self.sock, os.path.join(directory, JOIN_SOCKET))
-            message = wire.encode("join", pid=os.getpid(), worker=worker)
+            message = wire.encode("join", pid=unpatched.getpid(), worker=worker)
             send_with_fds(self.sock, message, gateway_fds[:MAX_FDS])
             op, fields = wire.decode(self.sock.recv(wire.MAX_MESSAGE))
         except BaseException:

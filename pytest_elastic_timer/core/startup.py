@@ -26,6 +26,8 @@ import os
 import signal
 import sys
 
+from pytest_elastic_timer.core import unpatched
+
 ENV_DUMP_SIGNAL = "PYTEST_ELASTIC_TIMER_DUMP_SIGNAL"
 # torch's FileTimerClient of every process of the session writes to this FIFO in the
 # session directory (the watchdog reads it: watchdog/file_timer.py).
@@ -138,7 +140,7 @@ _dumps: list[DumpRegistration] = []
 def preset_dump() -> tuple[int, str] | None:
     """(signal, file) of the stack dump the sitecustomize registered in this process."""
     done = getattr(sys, "_pytest_elastic_timer_dump", None)
-    if done is None or len(done) != 4 or done[2] != os.getpid():
+    if done is None or len(done) != 4 or done[2] != unpatched.getpid():
         return None
     return int(done[0]), str(done[3])
 

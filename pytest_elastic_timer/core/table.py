@@ -33,6 +33,8 @@ import struct
 from collections.abc import Iterator
 from typing import NamedTuple
 
+from pytest_elastic_timer.core import unpatched
+
 MAGIC = 0x3130_4C42_5454_4550  # b"PETTBL01" read as a little-endian u64
 VERSION = 1
 
@@ -147,7 +149,7 @@ class ScopeTable:
                 os.close(fd)
         table = cls(mm, path)
         table.words[H_VERSION] = VERSION
-        table.words[H_PID] = os.getpid()
+        table.words[H_PID] = unpatched.getpid()
         table.floats[H_ARMED] = 0.0
         table.words[H_MAGIC] = MAGIC
         return table

@@ -27,6 +27,8 @@ sleep = time.sleep
 now = functools.partial(time.time)
 monotonic = functools.partial(time.monotonic)
 kill = os.kill
+# The target of the signals a process sends itself: a test may fake its pid.
+getpid = os.getpid
 select = _select_module.select
 Popen = subprocess.Popen
 PIPE = subprocess.PIPE

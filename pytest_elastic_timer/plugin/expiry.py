@@ -179,7 +179,7 @@ def _record_of(item: pytest.Item, exc: ScopeExpired) -> ExpiryRecord:
 
 def _add_process_sections(item: pytest.Item, report: pytest.TestReport) -> None:
     """Expiries in processes the test started (ranks), and where its children were."""
-    me = os.getpid()
+    me = unpatched.getpid()
     for record in expiry_records(item.config):
         if record.nodeid != item.nodeid:
             continue

@@ -375,7 +375,7 @@ def _watchdog_argv(directory: str, grace: float, kill_after: float, scale: float
         "--dir",
         directory,
         "--root-pid",
-        str(os.getpid()),
+        str(unpatched.getpid()),
         "--grace",
         repr(grace),
         "--kill-after",

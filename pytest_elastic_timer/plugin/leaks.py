@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from pytest_elastic_timer.core import afterfork
+from pytest_elastic_timer.core import afterfork, unpatched
 from pytest_elastic_timer.scope import client
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ _children_fds: dict[tuple[int, str], int] = {}  # (pid, task) -> open procfs fd
 def _read_children(task: str) -> bytes:
     # A kept-open procfs file read again at offset 0 is generated anew: one pread
     # instead of open+read+close for every test.
-    key = (os.getpid(), task)
+    key = (unpatched.getpid(), task)
     fd = _children_fds.get(key)
     if fd is None:
         fd = _children_fds[key] = _open_children(task)
@@ -128,7 +128,7 @@ def snapshot() -> bytes:
             data = os.pread(fd, _FIRST_READ, 0)
             if len(data) < _FIRST_READ:
                 return data
-    main = threading.main_thread().native_id or os.getpid()
+    main = threading.main_thread().native_id or unpatched.getpid()
     try:
         tasks = os.listdir("/proc/self/task")
     except OSError:
@@ -138,7 +138,7 @@ def snapshot() -> bytes:
         try:
             parts.append(_read_children(task))
         except OSError:
-            _children_fds.pop((os.getpid(), task), None)
+            _children_fds.pop((unpatched.getpid(), task), None)
     return b" ".join(parts)
 
 
@@ -161,7 +161,7 @@ _FIRST_READ = 256  # bytes: some forty children, in the common case of the main 
 def _main_fd() -> int:
     fd = _main_children[0]
     if fd < 0:
-        main = threading.main_thread().native_id or os.getpid()
+        main = threading.main_thread().native_id or unpatched.getpid()
         try:
             fd = _main_children[0] = _open_children(str(main))
         except OSError:
@@ -243,7 +243,7 @@ def end_leaks(pids: set[int], kill_after: float = 1.0) -> list[dict[str, object]
         if proc.status() == psutil.STATUS_ZOMBIE:
             _reap(pid)
             continue
-        procs.extend(proctree.tree_of(proc, {os.getpid()}))
+        procs.extend(proctree.tree_of(proc, {unpatched.getpid()}))
     if not procs:
         return []
     described = [proctree.describe(p) for p in procs]

@@ -26,7 +26,7 @@ def session_facts(config: pytest.Config, state: SessionState) -> dict[str, Any]:
     """The facts of the JSON report's ``session`` object that the plugin knows."""
     settings = state.settings
     return {
-        "pid": os.getpid(),
+        "pid": unpatched.getpid(),
         "expires": settings.expires,
         "grace": settings.grace,
         "scale": settings.scale,
@@ -220,7 +220,7 @@ def facts_for_hooks(config: pytest.Config, state: SessionState) -> SessionFacts:
     book = state.budgets
     default_call = book.scaled(book.default)[1]
     return SessionFacts(
-        pid=os.getpid(),
+        pid=unpatched.getpid(),
         args=list(config.invocation_params.args),
         started=state.started,
         rootdir=str(config.rootpath),

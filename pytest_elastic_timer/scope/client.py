@@ -73,7 +73,6 @@ CO_ASYNC = inspect.CO_COROUTINE | inspect.CO_ITERABLE_COROUTINE | inspect.CO_ASY
 # process must not call them.
 _monotonic = unpatched.monotonic
 _connect = unpatched.connect
-_kill = unpatched.kill
 _select = unpatched.select
 
 
@@ -139,11 +138,22 @@ def start_helper(thread: threading.Thread) -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+def interrupt_main_thread(signum: int) -> None:
+    """Send ``signum`` to this process's main thread, where its Python handler runs.
+
+    Not to the process: a thread of the test (not blocking signals, unlike the package's
+    own) could take it while the main thread sleeps in a blocking call, and the handler
+    would wait until that call returned.
+    """
+    with contextlib.suppress(ProcessLookupError):  # the interpreter is ending
+        signal.pthread_kill(threading.main_thread().ident or 0, signum)
+
+
 class ProcessState:
     """Everything a scope needs from its process, set up at the first scope entered."""
 
     def __init__(self, on_interrupt: SignalHandler) -> None:
-        self.pid = os.getpid()
+        self.pid = unpatched.getpid()
         self.address = os.environ.get(ENV_ADDRESS) or None
         self.sock: socket.socket | None = None
         self.sentinel: Sentinel | None = None
@@ -758,7 +768,7 @@ def interrupt_due(
     for slot in due:
         if slot.serial not in fired:
             fired.add(slot.serial)
-            _kill(os.getpid(), signum)
+            interrupt_main_thread(signum)
 
 
 def scale_from_env() -> float:

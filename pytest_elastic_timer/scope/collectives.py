@@ -107,7 +107,7 @@ class Recorder:
         self.ring: ring_format.RingWriter | None = None
         self.directory = ""
         self.local = _Local()
-        self.pid = os.getpid()
+        self.pid = unpatched.getpid()
         # group object (None: the default group) -> (name as stored, name)
         self.groups: dict[Any, bytes] = {}
         self.seqs: dict[bytes, int] = {}
@@ -133,7 +133,7 @@ class Recorder:
         if not directory or not os.path.isdir(directory):
             return None
         try:
-            ring = ring_format.RingWriter(ring_format.ring_path(directory, os.getpid()))
+            ring = ring_format.RingWriter(ring_format.ring_path(directory, unpatched.getpid()))
         except OSError:
             return None
         ring.set_text(ring_format.T_NODEID, _current_test())
@@ -148,7 +148,7 @@ class Recorder:
         the parent's."""
         self.ring = None  # the parent's mapping: not ours to close or write
         self.directory = ""
-        self.pid = os.getpid()
+        self.pid = unpatched.getpid()
         self.local = _Local()
         self.reset()
         _pending.clear()
@@ -160,7 +160,7 @@ class Recorder:
         self.p2p.clear()
 
     def exited(self) -> None:
-        if self.ring is not None and self.pid == os.getpid():
+        if self.ring is not None and self.pid == unpatched.getpid():
             self.ring.mark_exited()
 
     # -- what an op is about ----------------------------------------------------------

@@ -19,7 +19,6 @@ module knows nothing of scopes' nesting: it takes plain values.
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import traceback
@@ -27,7 +26,7 @@ from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any
 
-from pytest_elastic_timer.core import afterfork, unpatched
+from pytest_elastic_timer.core import afterfork
 from pytest_elastic_timer.core import table as tbl
 from pytest_elastic_timer.scope import client
 
@@ -224,9 +223,8 @@ def in_critical_section(frame: FrameType | None) -> bool:
 
 
 def retry_soon(state: client.ProcessState) -> None:
-    """Send this process its interrupt signal again in a moment."""
-    # unpatched.kill: a test may have replaced os.kill with a mock.
-    timer = threading.Timer(0.002, unpatched.kill, (os.getpid(), state.interrupt_sig))
+    """Send this process's main thread its interrupt signal again in a moment."""
+    timer = threading.Timer(0.002, client.interrupt_main_thread, (state.interrupt_sig,))
     timer.daemon = True
     client.start_helper(timer)
 

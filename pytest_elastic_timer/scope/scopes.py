@@ -673,7 +673,7 @@ def _expired(scope: TimerRequest, now: float, action: str) -> ScopeExpired:
     label = state.label if state is not None else ""
     elapsed = now - scope._start
     return ScopeExpired(
-        scope.path, _budget_of(scope), elapsed, os.getpid(), action, scope.site, label
+        scope.path, _budget_of(scope), elapsed, unpatched.getpid(), action, scope.site, label
     )
 
 

@@ -306,7 +306,7 @@ def _caller(frame: FrameType | None, label: str | None) -> dict[str, Any]:
 def _traced(scope: str, start: float, expired: bool) -> None:
     """The wait as a span of the trace timeline (``--elastic-timer-trace``)."""
     state = scopes.current_state()
-    if state is not None and state.trace is not None and state.pid == os.getpid():
+    if state is not None and state.trace is not None and state.pid == unpatched.getpid():
         state.traced(scope, start, threading.get_ident(), expired)
 
 
@@ -372,7 +372,7 @@ def _timeout_args(
         "scope": scope,
         "budget": float(answer.get("budget", 0.0)),
         "elapsed": float(answer.get("elapsed", 0.0)),
-        "pid": os.getpid(),
+        "pid": unpatched.getpid(),
         "site": str(who["site"]),
         "label": str(who["label"]),
         "name": name,
@@ -509,7 +509,7 @@ class SessionLock:
     @property
     def held(self) -> bool:
         """Whether this object holds the lock (in this process)."""
-        return self._call is not None and self._pid == os.getpid()
+        return self._call is not None and self._pid == unpatched.getpid()
 
     def acquire(self) -> SessionLock:
         """Wait for the lock, up to the timeout (scaled); raises :class:`LockTimeout`."""
@@ -549,7 +549,7 @@ class SessionLock:
                 waiting=_parties(answer.get("waiting")),
                 **_timeout_args(scope, self.name, who, answer),
             )
-        self._call, self._pid, self._start = call, os.getpid(), start
+        self._call, self._pid, self._start = call, unpatched.getpid(), start
         self.waited = float(answer.get("waited", 0.0))
         abandoned = answer.get("abandoned_by")
         self.abandoned_by = Party.from_wire(abandoned) if abandoned else None
@@ -574,7 +574,7 @@ class SessionLock:
     def release(self) -> None:
         """Release the lock (the next waiting process gets it)."""
         call = self._call
-        if call is None or self._pid != os.getpid():
+        if call is None or self._pid != unpatched.getpid():
             raise RuntimeError(f"lock {self.name!r} is not held by this object")
         self._call = None
         call.tell(protocol.OP_LOCK_RELEASE)
