@@ -1,13 +1,13 @@
 """The functions of ``time``, ``os``, ``select``, ``socket`` and ``subprocess`` this
 package calls in test processes, bound when the package is first imported.
 
-A test may replace ``time.sleep``, ``time.time``, ``os.kill`` or ``subprocess.Popen``
-with a mock (to test retry delays, say), freeze the clocks (freezegun), or block sockets
-(pytest-socket), and the plugin still works inside that test and inside a pytest session
-the test runs: entering scopes, stopping a watchdog, ending a leftover process,
-delivering an interrupt. Modules imported late (the process-tree code, which loads
-psutil only where a leak is looked at) take these references from here, bound before
-any test ran.
+A test may replace ``time.sleep``, ``time.time``, ``os.kill``, ``os.getpid`` or
+``subprocess.Popen`` with a mock (to test retry delays, say), freeze the clocks
+(freezegun), or block sockets (pytest-socket), and the plugin still works inside that
+test and inside a pytest session the test runs: entering scopes, stopping a watchdog,
+ending a leftover process, delivering an interrupt. Modules imported late (the
+process-tree code, which loads psutil only where a leak is looked at) take these
+references from here, bound before any test ran.
 """
 
 from __future__ import annotations
