@@ -141,8 +141,26 @@ def is_our_cancel(exc: BaseException | None, path: str) -> bool:
     )
 
 
+def task_runs_at(task: Any, frame: FrameType | None) -> bool:
+    """Whether the code of ``task`` (an asyncio task or a :class:`TrioTask`) runs where
+    its thread was interrupted (``frame``): an exception raised there unwinds the task,
+    as in any code. Elsewhere (the loop waiting for I/O, or a host loop between the steps
+    of a trio guest run) it would end the loop, and only a cancellation reaches the
+    task."""
+    coro = task.task.coro if isinstance(task, TrioTask) else task.get_coro()
+    root = getattr(coro, "cr_frame", None)
+    while frame is not None and root is not None:
+        if frame is root:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def cancel_task(task: Any, path: str) -> None:
     """Cancel ``task``, which entered scope ``path``; the scope's exit then raises."""
+    if isinstance(task, TrioTask):
+        task.cancel()
+        return
     task.get_loop().call_soon_threadsafe(task.cancel, cancel_message(path))
 
 
@@ -150,12 +168,69 @@ def task_stacks(tasks: Any) -> str:
     """Where each of ``tasks`` is suspended, innermost frame last."""
     out = []
     for task in tasks:
+        if isinstance(task, TrioTask):
+            out.append(task.stack())
+            continue
         frames = task.get_stack(limit=STACK_FRAMES)
         lines = traceback.format_list(
             [(f.f_code.co_filename, f.f_lineno, f.f_code.co_name, None) for f in frames]
         )
         out.append(f"Task {task.get_name()} ({task.get_coro()!r}):\n" + "".join(lines))
     return "\n".join(out)
+
+
+# -- trio ----------------------------------------------------------------------------
+class TrioTask:
+    """A trio task that entered a scope, with the trio cancel scope entered beside it.
+
+    Trio's way to end a task's wait: at the deadline the cancel scope is cancelled
+    (through the run's token, which a signal handler or another thread may use), the
+    task gets ``trio.Cancelled`` at its next checkpoint, and the scope's exit, having
+    left the cancel scope (which takes its own ``Cancelled``), raises ScopeExpired.
+    """
+
+    __slots__ = ("cancel_scope", "exited", "task", "token")
+
+    def __init__(self, task: Any, token: Any, cancel_scope: Any) -> None:
+        self.task = task
+        self.token = token
+        self.cancel_scope = cancel_scope
+        self.exited = False
+
+    def done(self) -> bool:
+        return self.exited
+
+    def cancel(self) -> None:
+        self.token.run_sync_soon(self.cancel_scope.cancel)
+
+    def leave(self, exc: BaseException | None) -> bool:
+        """Leave the cancel scope with ``exc`` in flight; whether it took ``exc`` (the
+        ``Cancelled`` of its own cancellation)."""
+        self.exited = True
+        return bool(self.cancel_scope.__exit__(type(exc) if exc else None, exc, None))
+
+    def stack(self) -> str:
+        frames = [
+            (frame.f_code.co_filename, line, frame.f_code.co_name, None)
+            for frame, line in self.task.iter_await_frames()
+        ][-STACK_FRAMES:]
+        return f"Task {self.task.name}:\n" + "".join(traceback.format_list(frames))
+
+
+def enter_trio_task() -> TrioTask | None:
+    """In a trio task: enter a trio cancel scope for a scope being entered, and return
+    the task with it. None outside trio (nothing is entered)."""
+    trio = sys.modules.get("trio")
+    if trio is None:
+        return None
+    try:
+        task = trio.lowlevel.current_task()
+        token = trio.lowlevel.current_trio_token()
+    except RuntimeError:  # not in a trio task
+        return None
+    cancel_scope = trio.CancelScope()
+    cancel_scope.__enter__()
+    return TrioTask(task, token, cancel_scope)
 
 
 # -- where the owner was -------------------------------------------------------------

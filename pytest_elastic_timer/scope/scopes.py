@@ -218,7 +218,7 @@ class TimerRequest:
     _delivered = False
     _cancelled = False
     _abandoned = False  # closed because its enclosing scope ended first
-    _task: Any = None  # the asyncio task that entered the scope, if any
+    _task: Any = None  # the asyncio task (or delivery.TrioTask) that entered the scope
 
     def __init__(
         self, after: float | None, scope: str | None = None, *, grace: float | None = None
@@ -281,10 +281,12 @@ class TimerRequest:
         if self._delivered or self._cancelled or self._abandoned:  # a scope used again
             self._delivered = self._cancelled = self._abandoned = False
         # Inside a running event loop the expiry cancels the task (asyncio.timeout's
-        # way) instead of raising wherever the loop happens to be.
+        # way, trio's cancel scopes) instead of raising wherever the loop happens to be.
         if in_coroutine if at is None else code.co_flags & _CO_ASYNC:
             aio = _modules.get("asyncio")
             self._task = aio.current_task() if aio and aio._get_running_loop() else None
+            if self._task is None and "trio" in _modules:
+                self._task = delivery.enter_trio_task()
         elif self._task is not None:
             self._task = None
         now = self._start = monotonic()
@@ -361,9 +363,12 @@ class TimerRequest:
             state.traced(
                 self.path, self._start, stack.tid if stack is not None else 0, self._delivered
             )
+        task = self._task
+        # Trio's cancel scope entered with this one is left, taking the Cancelled of its
+        # own cancellation (this scope's expiry) if that is what ends the block.
+        taken = task.leave(exc) if task is not None and type(task) is delivery.TrioTask else False
         if self._delivered:
-            task = self._task
-            if task is not None and delivery.is_our_cancel(exc, self.path):
+            if task is not None and (taken or delivery.is_our_cancel(exc, self.path)):
                 if hasattr(task, "uncancel"):  # Python 3.11+
                     task.uncancel()
                 raise _report(self, monotonic(), "interrupted", None, task=task) from exc
@@ -738,8 +743,11 @@ def _on_interrupt(signum: int, frame: FrameType | None) -> None:
                 break
             for inner in candidates[candidates.index(scope) :]:
                 inner._delivered = True  # the exception unwinds through them
-            if scope._task is not None and not scope._task.done():
-                delivery.cancel_task(scope._task, scope.path)
+            task = scope._task
+            if task is not None and not task.done() and not delivery.task_runs_at(task, where):
+                # The loop is interrupted (waiting, or between steps): only the task's
+                # cancellation reaches the task. Its own code gets the exception.
+                delivery.cancel_task(task, scope.path)
                 _tell_expired(state, scope, now, delivery.task_stacks([scope._task]))
                 break
             exc = _report(scope, now, "interrupted", where)
