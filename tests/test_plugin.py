@@ -1317,6 +1317,49 @@ def test_a_deadline_that_passes_before_the_watchdog_is_up_is_interrupted_on_time
     session.assert_clean()
 
 
+def test_a_deadline_before_the_watchdog_is_up_without_descriptors_to_spare(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process that cannot make the descriptors of the thread that waits for the
+    watchdog's answer (it has none to spare) waits for the answer itself: the deadline
+    that asked for it is still told, enforced once the watchdog is up, and recorded."""
+    gate = _gated_watchdog(pytester, monkeypatch)
+    pytester.makepyfile(
+        test_hang=f"""
+        import os
+        import resource
+        import signal
+        import threading
+        import time
+        import pytest_elastic_timer as et
+
+        def test_hang():
+            ready = {str(gate)!r} + ".ready"
+            open(ready, "w").close()
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            lowest_free = os.dup(0)
+            os.close(lowest_free)
+
+            def open_up():
+                # The interrupt is for the main thread: a thread that takes it while the
+                # main one sleeps holds it back until the sleep ends.
+                signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+                resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+                os.rename(ready, {str(gate)!r})  # the watchdog comes up now
+
+            resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))
+            threading.Timer(0.5, open_up).start()
+            with et.expires(0.3, scope="hang"):
+                time.sleep(30)
+        """
+    )
+    session = run(pytester, "-s")
+    session.result.assert_outcomes(failed=1)
+    session.assert_expired("test_hang", "test_hang::call/hang", 0.3)
+    assert "Error" not in session.stdout.split("ScopeExpired")[0], session.stdout
+    session.assert_clean()
+
+
 def test_short_scopes_before_the_watchdog_is_up_do_not_fill_its_connection(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:

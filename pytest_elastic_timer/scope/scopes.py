@@ -291,6 +291,7 @@ class TimerRequest:
             self._task = None
         now = self._start = monotonic()
         after = self.after
+        depth = len(stack)
         if after is None:
             self._deadline = _INF
             self._slot = -1
@@ -301,6 +302,14 @@ class TimerRequest:
             free = state.free
             slot = self._slot = free.pop() if free else state.alloc()
             serial = self._serial = next(state.serials)
+        # On the stack before its slot opens: the interrupt for it can come at once (a
+        # deadline that passed while the watchdog was starting), and the signal handler
+        # looks for due scopes on the stacks (it asks again while this method runs).
+        if detached:
+            _detached[id(self)] = self
+        else:
+            stack.append(self)
+        if after is not None:
             grace = self.grace
             state.table.open_slot(
                 slot,
@@ -312,16 +321,12 @@ class TimerRequest:
                 site_sid,
                 state.nodeid_sid,
                 0.0 if grace is None else grace,
-                len(stack),
+                depth,
                 self.flags,
             )
             armed = state.armed[_H_ARMED]
             if deadline < armed or not armed:
                 state.notify(deadline)
-        if detached:
-            _detached[id(self)] = self
-        else:
-            stack.append(self)
         return self
 
     acquire = __enter__
@@ -531,6 +536,8 @@ def enter_test_phase(scope: TimerRequest, stack: ScopeStack) -> TimerRequest:
     free = state.free
     slot = scope._slot = free.pop() if free else state.alloc()
     serial = scope._serial = next(state.serials)
+    depth = len(stack)
+    stack.append(scope)  # before its slot opens, as in TimerRequest.__enter__
     state.table.open_phase_slot(
         slot,
         serial,
@@ -539,13 +546,12 @@ def enter_test_phase(scope: TimerRequest, stack: ScopeStack) -> TimerRequest:
         stack.tid,
         state.nodeid_sid,
         0.0 if grace is None else grace,
-        len(stack),
+        depth,
         flags,
     )
     armed = state.armed[_H_ARMED]
     if deadline < armed or not armed:
         state.notify(deadline)
-    stack.append(scope)
     return scope
 
 
