@@ -542,3 +542,101 @@ def test_processes_of_a_test_the_plugin_interrupted_are_ended_under_warn(
     finally:
         if not wait_gone(pid, 0):
             reap(pid)
+
+
+# -- torch's elastic agent takes the session's file-timer FIFO over ----------------------
+AGENT_TAKES_THE_FIFO = '''
+import os
+import subprocess
+import sys
+
+from torch.distributed.elastic import timer
+
+PATH = os.environ["TORCHELASTIC_TIMER_FILE"]
+CLIENT = """
+import os, sys, time
+from torch.distributed.elastic import timer
+timer.configure(timer.FileTimerClient(os.environ["TORCHELASTIC_TIMER_FILE"]))
+with timer.expires(after=float(sys.argv[1]), scope=sys.argv[2]):
+    time.sleep(float(sys.argv[3]))
+"""
+servers = []
+
+
+def client(after, scope, sleep):
+    """A FileTimerClient in a child process; its exit status."""
+    argv = [sys.executable, "-c", CLIENT, str(after), scope, str(sleep)]
+    return subprocess.run(argv, timeout=120).returncode
+
+
+def agent_server():
+    """What torch's elastic agent starts with TORCHELASTIC_ENABLE_FILE_TIMER=1."""
+    server = timer.FileTimerServer(PATH, run_id="agent", max_interval=0.1, daemon=True)
+    server.start()
+    return server
+
+
+def test_agent_in_one_test():
+    server = agent_server()
+    try:
+        assert client(30, "under-agent", 0) == 0
+    finally:
+        server.stop()
+    assert not os.path.exists(PATH)  # the agent removed it
+
+
+def test_enforced_after_the_agent():
+    assert client(0.5, "after-agent", 60) < 0
+
+
+def test_agent_left_a_fifo_nobody_reads():
+    os.remove(PATH)
+    os.mkfifo(PATH)  # as an agent killed on the way leaves it
+
+
+def test_enforced_after_the_dead_agent():
+    assert client(0.5, "after-dead-agent", 60) < 0
+
+
+def test_agent_across_tests_starts():
+    servers.append(agent_server())
+
+
+def test_the_agent_serves_its_clients():
+    assert client(30, "under-running-agent", 0) == 0
+
+
+def test_agent_across_tests_stops():
+    servers.pop().stop()
+
+
+def test_enforced_after_the_agent_across_tests():
+    assert client(0.5, "after-agent-across-tests", 60) < 0
+'''
+
+
+@pytest.mark.expires(TORCH_BUDGET)
+@pytest.mark.parametrize("xdist", [False, True], ids=["single", "xdist"])
+def test_the_file_timer_fifo_is_back_after_a_torch_agent_took_it(
+    pytester: pytest.Pytester, xdist: bool
+) -> None:
+    """torch's elastic agent, started by a test with TORCHELASTIC_ENABLE_FILE_TIMER=1
+    (torchrun), runs a FileTimerServer at the session's TORCHELASTIC_TIMER_FILE: it
+    removes the session's FIFO, serves its own workers, and removes its FIFO when it
+    stops. Every later FileTimerClient of the session found no FIFO and failed with
+    BrokenPipeError. After each test the FIFO is made again where nobody reads what is
+    at its path, and requests are enforced by the session's watchdog again."""
+    pytester.makepyfile(test_agent=AGENT_TAKES_THE_FIFO)
+    args = [f"--elastic-timer-grace={GRACE:g}", "-p", "no:randomly"]
+    if xdist:
+        # One worker: the tests run in order, in the worker, which looks at the FIFO.
+        xdist_one = [a if a != "2" else "1" for a in XDIST]
+        session = run(pytester, *xdist_one, *args, lean=False, timeout=TORCH_TIMEOUT)
+    else:
+        session = run(pytester, *args, timeout=TORCH_TIMEOUT)
+    session.result.assert_outcomes(passed=8)
+    for scope in ("after-agent", "after-dead-agent", "after-agent-across-tests"):
+        assert re.fullmatch(HARD, session.record(scope)["action"])
+    scopes = sorted(r["scope"] for r in session.report["expired"]) if session.report else []
+    assert len(scopes) == 3, scopes
+    session.assert_clean()

@@ -13,7 +13,9 @@ import os
 import sys
 import time
 
+import psutil
 import pytest
+from helpers import wait_gone
 
 STRICT_SUITE = '''
 import subprocess
@@ -533,6 +535,54 @@ def test_only_the_outermost_session_ends_with_its_process(pytester: pytest.Pytes
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-s")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["ends with its process: True"])
+
+
+# Another plugin's suite builds nodes with pytester's helpers, which run a session's
+# start and finish hooks around a collection without running the session (pytest-xdist's
+# own looponfail tests): the finishing session has no exit status of its own.
+PYTESTER_NODE_HELPERS = """
+pytest_plugins = "pytester"
+
+SOURCE = "def test_func():\\n    assert 0\\n"
+
+
+def test_getitem(pytester):
+    assert pytester.getitem(SOURCE).name == "test_func"
+
+
+def test_getitems_and_getmodulecol(pytester):
+    assert [i.name for i in pytester.getitems(SOURCE)] == ["test_func"]
+    assert pytester.getmodulecol(SOURCE).name.endswith(".py")
+
+
+def test_getnode_and_getpathnode(pytester):
+    path = pytester.makepyfile(SOURCE)
+    config = pytester.parseconfigure(path)
+    assert pytester.getnode(config, path) is not None
+    assert pytester.getpathnode(path) is not None
+
+
+def test_inline_genitems_and_inline_runsource(pytester):
+    items, _ = pytester.inline_genitems(pytester.makepyfile(SOURCE))
+    assert [i.name for i in items] == ["test_func"]
+    pytester.inline_runsource(SOURCE).assertoutcome(failed=1)
+"""
+
+
+@pytest.mark.parametrize("workers", [[], ["-p", "xdist", "-n", "2"]], ids=["one", "xdist"])
+def test_pytester_node_helpers_work_with_the_plugin(
+    pytester: pytest.Pytester, workers: list[str]
+) -> None:
+    """pytester's getitem(), getitems(), getmodulecol(), getnode() and friends, which
+    call pytest_sessionfinish for a session that never ran (it has no exitstatus):
+    every one works in a suite where the plugin is installed, as without it."""
+    pytester.makepyfile(test_helpers=PYTESTER_NODE_HELPERS)
+    before = set(psutil.Process().children(recursive=True))
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *workers)
+    result.assert_outcomes(passed=4)
+    assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
+    started = set(psutil.Process().children(recursive=True)) - before
+    assert all(wait_gone(p.pid, 5.0) for p in started), started  # the watchdogs too
 
 
 # Time frozen by freezegun and sockets blocked by pytest-socket, as a test suite that

@@ -34,6 +34,7 @@ from pytest_elastic_timer.plugin.state import (
     record_text,
     uses_xdist,
 )
+from pytest_elastic_timer.plugin.torch_timer_file import TorchTimerFile
 from pytest_elastic_timer.scope import scopes
 
 if TYPE_CHECKING:
@@ -133,6 +134,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     config = session.config
     state = config.stash[SESSION]
     scopes.process_state().set_phase("sessionstart")
+    state.torch_timer_file = TorchTimerFile.of_session()
     if not is_worker(config) and uses_xdist(config):
         # A controller that starts workers: xdist made its session in pytest_configure
         # and starts the workers after this hook (its own is trylast).
@@ -179,11 +181,15 @@ def pytest_leave_pdb(config: pytest.Config, pdb: Any) -> None:
 
 # -- the end -------------------------------------------------------------------------
 @pytest.hookimpl(wrapper=True, tryfirst=True)
-def pytest_sessionfinish(session: pytest.Session) -> Generator[None, None, None]:
+def pytest_sessionfinish(
+    session: pytest.Session, exitstatus: int | pytest.ExitCode
+) -> Generator[None, None, None]:
     scopes.process_state().set_phase("sessionfinish")
     state = session.config.stash.get(SESSION, None)
     if state is not None:
-        state.exitstatus = int(session.exitstatus)
+        # The argument, not session.exitstatus: pytester's getitem() and getnode() call
+        # this hook for a session that never ran, which has no such attribute.
+        state.exitstatus = int(exitstatus)
         lifecycle.check_watchdog(session, state)
     return (yield)
 

@@ -210,7 +210,7 @@ def check_watchdog(session: pytest.Session, state: SessionState) -> None:
             f"the watchdog (pid {watchdog.pid}) died during the session; scopes "
             "were enforced in-process from then on"
         )
-    if state.lost_watchdog and session.exitstatus == 0:
+    if state.lost_watchdog and state.exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED  # the guarantees did not hold
 
 

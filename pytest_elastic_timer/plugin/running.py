@@ -108,6 +108,9 @@ class RunningTest:
             after = leaks.snapshot()
             if after != before:
                 self._check_leaks(before, after)
+        fifo = self.state.torch_timer_file
+        if fifo is not None:
+            fifo.check(self.process)
 
     def phase_scope(self, when: str, budgets: Budgets) -> TimerRequest:
         """The scope of phase ``when`` with its budget (not entered yet)."""

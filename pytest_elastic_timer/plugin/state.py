@@ -13,6 +13,7 @@ from pytest_elastic_timer.core import unpatched
 from pytest_elastic_timer.plugin import launcher
 from pytest_elastic_timer.plugin.budgets import BudgetBook
 from pytest_elastic_timer.plugin.options import Settings
+from pytest_elastic_timer.plugin.torch_timer_file import TorchTimerFile
 from pytest_elastic_timer.scope import scopes
 from pytest_elastic_timer.scope.scopes import TimerRequest
 
@@ -44,6 +45,8 @@ class SessionState:
         self.previous_env: dict[str, str | None] = {}
         self.children_before: set[int] = set()  # this process's, at start
         self.session_scope: TimerRequest | None = None
+        # The watchdog's torch file-timer FIFO, which a test's torch agent may take over.
+        self.torch_timer_file: TorchTimerFile | None = None
         self.session: pytest.Session | None = None
         self.lost_watchdog = ""  # why and when the watchdog went away mid-session
         self.expiry_listener: Callable[[], None] | None = None

@@ -119,6 +119,8 @@ def build(
     dog = Watchdog(directory, root=root, clock=clock, **settings)
     file_timers = FileTimerIntake(dog, directory, fifo_fd)
     dog.add_reader(file_timers.read_fd, file_timers.readable)
+    for op, handler in file_timers.handlers().items():
+        dog.handle(op, handler)
     dog.on_finish(file_timers.close)
     sync = SyncIntake(dog)
     if junit_xml:

@@ -14,6 +14,14 @@ escalation ladder apply (no interrupt -- such a process has no handler for it --
 stack dump where the session's start-up hook installed one, then termination of its
 process tree).
 
+torch's elastic agent takes the path over when the code under test starts it with
+``TORCHELASTIC_ENABLE_FILE_TIMER=1`` (torchrun, ``elastic_launch``): its
+``FileTimerServer`` removes the FIFO there, makes its own, and removes that when it
+stops. Its workers' requests are then enforced by that server, as the test asked. A
+process of the session that finds the path changed after a test asks for op
+``torch_timer_file`` (:mod:`pytest_elastic_timer.plugin.torch_timer_file`), and the FIFO
+is made again where no server reads what is there now.
+
 An intake: it uses only its :class:`~.host.TableHost` and is plugged into the watchdog
 by the wiring (:func:`pytest_elastic_timer.watchdog.__main__.build`).
 """
@@ -24,6 +32,8 @@ import contextlib
 import json
 import math
 import os
+import socket
+import stat
 import time
 from typing import Any
 
@@ -61,6 +71,34 @@ class FileTimerIntake:
         for fd in (self.read_fd, self.keep_fd):
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+    def handlers(self) -> dict[str, Any]:
+        return {"torch_timer_file": self.keep_in_place}
+
+    def keep_in_place(self, conn: socket.socket, peer_pid: int, fields: dict[str, Any]) -> None:
+        """Op ``torch_timer_file``: put the FIFO back at its path if it is gone; the
+        answer names what is at the path now, so that the asker knows it next time."""
+        self.restore()
+        self.host.send(conn, "torch_timer_file", identity=identity(self.path))
+
+    def restore(self) -> bool:
+        """Make a new FIFO at the path, and read it, unless the path is this intake's
+        FIFO or a FIFO that another server reads (torch's, while its agent runs: it
+        removes the path when it stops). Whether a new one was made."""
+        at_path = identity(self.path)
+        if at_path == identity(self.read_fd) or (at_path and _has_reader(self.path)):
+            return False
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)  # a FIFO nobody reads (its server was killed), or worse
+        os.mkfifo(self.path, 0o600)
+        read_fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
+        keep_fd = os.open(self.path, os.O_WRONLY | os.O_NONBLOCK)
+        self.readable()  # what the old FIFO still holds
+        self.host.remove_reader(self.read_fd)
+        self.close()
+        self.read_fd, self.keep_fd, self.buffer = read_fd, keep_fd, b""
+        self.host.add_reader(read_fd, self.readable)
+        return True
 
     def readable(self, _fd: Any = None) -> None:
         while True:
@@ -134,6 +172,28 @@ class FileTimerIntake:
             self.free[pid] = []
             self.scopes = {k: v for k, v in self.scopes.items() if k[0] != pid}
         return owner
+
+
+def identity(file: str | int) -> list[int] | None:
+    """[device, inode] of the file at a path or descriptor; None where there is none."""
+    try:
+        st = os.lstat(file) if isinstance(file, str) else os.fstat(file)
+    except OSError:
+        return None
+    return [st.st_dev, st.st_ino]
+
+
+def _has_reader(path: str) -> bool:
+    """Whether a process reads the FIFO at ``path`` (opening it to write, without
+    blocking, fails where none does; what is not a FIFO has none)."""
+    try:
+        if not stat.S_ISFIFO(os.lstat(path).st_mode):
+            return False
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    os.close(fd)
+    return True
 
 
 def _parse(line: bytes) -> tuple[int, str, float] | None:

@@ -65,6 +65,15 @@ class Host(Protocol):
         """Answer on ``conn``; a peer that went away is no error."""
         ...
 
+    def add_reader(self, fileobj: Any, callback: Callable[[Any], None]) -> None:
+        """Call ``callback(fileobj)`` on the watchdog's loop whenever ``fileobj`` is
+        readable."""
+        ...
+
+    def remove_reader(self, fileobj: Any) -> None:
+        """Stop watching ``fileobj`` (nothing happens if it was not watched)."""
+        ...
+
     def drop(self) -> None:
         """Count one malformed or foreign message (``dropped_messages`` of the report)."""
         ...

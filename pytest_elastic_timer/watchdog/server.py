@@ -140,6 +140,10 @@ class Watchdog:
         """Call ``callback(fileobj)`` whenever ``fileobj`` is readable."""
         self.loop.add_reader(fileobj, callback)
 
+    def remove_reader(self, fileobj: Any) -> None:
+        """Stop watching ``fileobj`` (nothing happens if it was not watched)."""
+        self.loop.remove_reader(fileobj)
+
     def on_disconnect(self, callback: Callable[[socket.socket], None]) -> None:
         """Tell ``callback`` of every connection that ended."""
         self._on_disconnect.append(callback)
@@ -184,7 +188,9 @@ class Watchdog:
         return self.owners.adopt(pid)
 
     def wake(self, pid: int, at: float) -> None:
-        owner = self.owners.get(pid) or self.owners.adopted.get(pid)
+        # The adopted one first: a process that enters scopes of its own (a registered
+        # owner) may also send torch file-timer requests, which go to its adopted table.
+        owner = self.owners.adopted.get(pid) or self.owners.get(pid)
         if owner is not None:
             self.scanner.schedule_scan(owner, at)
 
