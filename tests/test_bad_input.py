@@ -142,6 +142,7 @@ def test_numeric_string_marker_value_is_an_error(pytester: pytest.Pytester) -> N
         ("--expires=inf", "'inf'"),
         ("--elastic-timer-scale=0", "'0'"),
         ("--elastic-timer-grace=x", "'x'"),
+        ("--elastic-timer-scale=abc", "'abc'"),
     ],
 )
 def test_bad_option_values_are_usage_errors(
@@ -155,6 +156,31 @@ def test_bad_option_values_are_usage_errors(
     errors = [s for s in session.stderr.splitlines() if s.startswith(f"ERROR: {flag} ")]
     assert len(errors) == 1, session.stderr
     assert value_text in errors[0]
+    if flag == "--elastic-timer-scale":
+        assert "seconds" not in errors[0]  # a factor
+    assert session.watchdog_pid is None
+
+
+@pytest.mark.parametrize(
+    ("line", "error"),
+    [
+        ('elastic_timer_report = ["a"]', "ini option 'elastic_timer_report' must be a path"),
+        ('elastic_timer_trace = ["t.json"]', "ini option 'elastic_timer_trace' must be a path"),
+        ("expires = [1]", "ini option 'expires' must be a number of seconds, not [1]"),
+    ],
+)
+def test_a_toml_ini_value_of_the_wrong_type_is_a_usage_error(
+    pytester: pytest.Pytester, line: str, error: str
+) -> None:
+    """pyproject.toml gives values of any TOML type: a list where a path or a number
+    belongs is a usage error that names the option and the value."""
+    pytester.makepyprojecttoml(f"[tool.pytest.ini_options]\n{line}\n")
+    pytester.makepyfile(test_ok="def test_ok():\n    pass\n")
+    session = run(pytester, report=False)
+    session.assert_clean()
+    assert session.result.ret == pytest.ExitCode.USAGE_ERROR
+    assert f"ERROR: {error}" in session.stderr, session.stderr
+    assert "INTERNALERROR" not in session.text
     assert session.watchdog_pid is None
 
 

@@ -146,6 +146,28 @@ def test_cancel_inside_a_with_block() -> None:
     assert not timer.expired()
 
 
+def test_cancel_before_entering() -> None:
+    """A scope cancelled before it is entered has no deadline: it is entered without
+    one and never expires."""
+    timer = et.TimerRequest(0.1, scope="cancelled-early")
+    timer.cancel()
+    assert timer.expires() == math.inf
+    with timer:
+        assert timer.deadline == math.inf and timer.expires() == math.inf
+        time.sleep(0.3)
+    assert not timer.expired()
+
+
+@pytest.mark.parametrize("after", [0.3, 0.1, 7.7, 1e-3])
+def test_budget_is_the_budget_entered(after: float) -> None:
+    """``budget`` of an entered scope is its (scaled) budget as given, not a float a
+    few ulps off it."""
+    with et.expires(after) as timer:
+        assert timer.budget == round(after * _scale(), 9)
+        timer.extend(0.2)
+        assert timer.budget == round((after + 0.2) * _scale(), 9)
+
+
 def test_acquire_release_and_expires() -> None:
     base = _base()
     timer = et.TimerRequest(10, scope="manual")
@@ -617,3 +639,36 @@ def test_earliest_deadline_in_force_outermost_expired_credited(
     assert info.value.budget == pytest.approx(winner.after * _scale(), abs=5e-4 + 1e-9)
     assert info.value.elapsed >= info.value.budget - EARLY
     assert all(t.expired() for t in timers[credited[0] :])
+
+
+UNREACHABLE_WATCHDOG = """
+import pytest_elastic_timer as et
+
+try:
+    with et.expires(0.2, scope="in-process"):
+        while True:
+            pass
+except et.ScopeExpired as exc:
+    print(exc.scope)
+"""
+
+
+def test_an_unreachable_watchdog_leaves_no_socket_open(tmp_path: Any) -> None:
+    """A process whose PYTEST_ELASTIC_TIMER names no watchdog enforces its scopes
+    in-process, says so once on stderr, and closes the socket it tried to connect
+    with (no ResourceWarning under -W error)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_ELASTIC_TIMER")}
+    env["PYTEST_ELASTIC_TIMER"] = str(tmp_path / "gone.sock")
+    done = subprocess.run(
+        [sys.executable, "-X", "dev", "-W", "error", "-c", UNREACHABLE_WATCHDOG],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (done.returncode, done.stdout) == (0, "in-process\n"), done.stderr
+    assert done.stderr.count("cannot reach the watchdog") == 1, done.stderr
+    assert "ResourceWarning" not in done.stderr and "Exception ignored" not in done.stderr

@@ -7,13 +7,19 @@ import math
 
 
 def parse_seconds(
-    raw: object, what: str, *, allow_zero: bool = True, allow_text: bool = True
+    raw: object,
+    what: str,
+    *,
+    allow_zero: bool = True,
+    allow_text: bool = True,
+    kind: str = "a number of seconds",
 ) -> float:
     """A finite, non-negative number of seconds from ``raw``, or ValueError naming
     ``what``. ``allow_zero=False`` also refuses 0; ``allow_text=False`` refuses text
-    (a marker takes numbers only; an option or ini value arrives as text)."""
+    (a marker takes numbers only; an option or ini value arrives as text); ``kind``
+    is what the error says was expected (a factor is no number of seconds)."""
     if isinstance(raw, bool) or (isinstance(raw, str) and not allow_text):
-        raise ValueError(f"{what} must be a number of seconds, not {raw!r}")
+        raise ValueError(f"{what} must be {kind}, not {raw!r}")
     if isinstance(raw, (int, float)):
         try:
             value = float(raw)
@@ -23,9 +29,9 @@ def parse_seconds(
         try:
             value = float(raw.strip())
         except ValueError:
-            raise ValueError(f"{what} must be a number of seconds, not {raw!r}") from None
+            raise ValueError(f"{what} must be {kind}, not {raw!r}") from None
     else:
-        raise ValueError(f"{what} must be a number of seconds, not {raw!r}")
+        raise ValueError(f"{what} must be {kind}, not {raw!r}")
     if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
         limit = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{what} must be a finite number {limit}, not {raw!r}")

@@ -81,17 +81,22 @@ def option(config: pytest.Config, name: str) -> tuple[str, Any]:
 def read_settings(config: pytest.Config) -> Settings:
     """The session's settings; a bad value is a usage error that names where it came from."""
 
-    def seconds(name: str, default: float, *, allow_zero: bool = True) -> float:
+    def seconds(
+        name: str, default: float, *, allow_zero: bool = True, kind: str = "a number of seconds"
+    ) -> float:
         where, raw = option(config, name)
         if raw is None:
             return default
         try:
-            return parse_seconds(raw, where, allow_zero=allow_zero)
+            return parse_seconds(raw, where, allow_zero=allow_zero, kind=kind)
         except ValueError as exc:
             raise pytest.UsageError(str(exc)) from None
 
     def path(name: str) -> str | None:
-        return option(config, name)[1] or None
+        where, raw = option(config, name)
+        if raw is not None and not isinstance(raw, str):  # a TOML list or table
+            raise pytest.UsageError(f"{where} must be a path, not {raw!r}")
+        return raw or None
 
     def choice(name: str, allowed: tuple[str, ...], default: str) -> str:
         where, raw = option(config, name)
@@ -111,7 +116,7 @@ def read_settings(config: pytest.Config) -> Settings:
     return Settings(
         expires=seconds("expires", 0.0),
         grace=seconds("elastic_timer_grace", DEFAULT_GRACE),
-        scale=seconds("elastic_timer_scale", 1.0, allow_zero=False),
+        scale=seconds("elastic_timer_scale", 1.0, allow_zero=False, kind="a number"),
         report=path("elastic_timer_report"),
         trace=os.path.abspath(trace) if (trace := path("elastic_timer_trace")) else None,
         session=seconds("expires_session", 0.0),

@@ -250,7 +250,11 @@ class ProcessState:
         directory = os.path.dirname(address)
         sock = unpatched.Socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         sock.settimeout(10.0)
-        _connect(sock, address)
+        try:
+            _connect(sock, address)
+        except BaseException:
+            sock.close()  # not ours yet: _close_socket() would not see it
+            raise
         self.sock = sock
         path = os.path.join(directory, f"table-{self.pid}-{uuid.uuid4().hex[:8]}")
         table = tbl.ScopeTable.create(path)

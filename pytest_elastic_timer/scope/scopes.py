@@ -395,7 +395,11 @@ class TimerRequest:
 
     # -- moving the deadline ------------------------------------------------------
     def cancel(self) -> None:
-        """Disarm the scope: it stays open (and in the path) but never expires."""
+        """Disarm the scope: it stays open (and in the path) but never expires. A scope
+        not entered yet is entered without a deadline."""
+        if self._state is None:
+            self.after = None
+            return
         self._cancelled = True
         self._deadline = _INF
         state = self._state
@@ -471,11 +475,12 @@ class TimerRequest:
     @property
     def budget(self) -> float:
         """The scaled budget in seconds as entered (``inf`` without a deadline)."""
-        return (
-            self._deadline - self._start
-            if self._state is not None
-            else (_INF if self.after is None else self.after)
-        )
+        if self._state is None:
+            return _INF if self.after is None else self.after
+        # Rounded to the nanosecond: a deadline minus its start is not the budget's
+        # float exactly (0.3 came back as 0.30000000000001137).
+        budget = self._deadline - self._start
+        return round(budget, 9) if budget < _INF else budget
 
     @property
     def site(self) -> str:
