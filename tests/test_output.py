@@ -4,7 +4,9 @@ passing tests in one line (listed with -v), and files as pytest shows them."""
 
 from __future__ import annotations
 
+import fnmatch
 import re
+import sys
 import traceback
 
 import pytest
@@ -244,3 +246,74 @@ def test_a_scope_entered_through_contextlib_names_the_users_line(
         record = session.record(scope)
         assert (record["file"], record["line"]) == (str(path), line[tag]), record
         assert f"  entered: test_relayed.py:{line[tag]}" in text.splitlines(), text
+
+
+CAUGHT_THEN_FAILED = """
+import time
+
+import pytest
+import pytest_elastic_timer as et
+
+
+@pytest.fixture
+def failing_teardown():
+    yield
+    assert False, "unrelated teardown failure"
+
+
+def test_caught_then_teardown_fails(failing_teardown):
+    with pytest.raises(et.ScopeExpired):
+        with et.expires(0.2, scope="caught-1"):
+            time.sleep(5)
+
+
+def test_caught_then_fails():
+    with pytest.raises(et.ScopeExpired):
+        with et.expires(0.2, scope="caught-2"):
+            time.sleep(5)
+    assert 1 == 2, "unrelated assertion"
+
+
+def test_wrapped():
+    try:
+        with et.expires(0.2, scope="wrapped"):
+            time.sleep(5)
+    except et.ScopeExpired as exc:
+        raise RuntimeError("step failed") from exc
+
+
+def test_grouped():
+    try:
+        with et.expires(0.2, scope="grouped"):
+            time.sleep(5)
+    except et.ScopeExpired as exc:
+        raise ExceptionGroup("tasks", [exc])
+"""
+
+
+@pytest.mark.parametrize("workers", [[], ["-p", "xdist", "-n", "2"]], ids=["one", "xdist"])
+def test_an_expiry_caught_on_purpose_is_not_what_failed_the_test(
+    pytester: pytest.Pytester, workers: list[str]
+) -> None:
+    """A test that catches its scope's ScopeExpired and then fails for a reason of its
+    own fails by that reason (FAILED / ERROR, its own message, in JUnit too); one that
+    raises another exception from the ScopeExpired, or puts it in an exception group,
+    failed by the expiry (TIMEOUT, the scope line first)."""
+    if sys.version_info < (3, 11):
+        pytest.skip("ExceptionGroup is new in 3.11")
+    pytester.makepyfile(test_caught=CAUGHT_THEN_FAILED)
+    junit = pytester.path / "junit.xml"
+    session = run(pytester, *workers, f"--junitxml={junit}", "-rfE", lean=not workers)
+    session.assert_clean()
+    session.result.assert_outcomes(passed=1, failed=3, errors=1)
+    summary = session.result.outlines
+    for line in (
+        "FAILED test_caught.py::test_caught_then_fails - AssertionError*",
+        "ERROR test_caught.py::test_caught_then_teardown_fails - AssertionError*",
+        "TIMEOUT test_caught.py::test_wrapped - scope 'test_wrapped::call/wrapped'*",
+        "TIMEOUT test_caught.py::test_grouped - scope 'test_grouped::call/grouped'*",
+    ):
+        assert any(fnmatch.fnmatch(s, line) for s in summary), (line, session.stdout)
+    xml = junit.read_text()
+    assert xml.count('type="pytest_elastic_timer.ScopeExpired"') == 2, xml
+    assert 'message="AssertionError: unrelated assertion' in xml

@@ -19,6 +19,7 @@ from _pytest._code.code import ExceptionChainRepr, ReprEntryNative, ReprExceptio
 
 from pytest_elastic_timer.core import records, unpatched
 from pytest_elastic_timer.core.records import ExpiryRecord
+from pytest_elastic_timer.plugin import running
 from pytest_elastic_timer.plugin.state import (
     SESSION,
     expiry_records,
@@ -32,6 +33,10 @@ from pytest_elastic_timer.scope.scopes import ScopeExpired
 
 PHASES = ("setup", "call", "teardown")
 PROPERTY_PREFIX = "elastic_timer_"
+# A report attribute (it travels with the report to an xdist controller, and is in no
+# JUnit file): the pid of a test process that raised a ScopeExpired during the test,
+# which the test caught, and then failed for a reason of its own.
+CAUGHT_IN = "elastic_timer_caught_in"
 
 
 def _add_properties(report: pytest.TestReport, record: ExpiryRecord) -> None:
@@ -82,6 +87,9 @@ def _expired_of(config: pytest.Config, report: pytest.TestReport) -> list[Expiry
         return [report.longrepr.record]
     own = _from_properties(report)
     found = [r for r in expiry_records(config) if r.nodeid == report.nodeid]
+    caught_in = getattr(report, CAUGHT_IN, None)
+    if caught_in is not None:  # not what failed the test
+        found = [r for r in found if (r.pid, r.action) != (caught_in, "interrupted")]
     if own is not None:
         # The watchdog's record knows more (file, line, worker) than the exception.
         same = [r for r in found if (r.pid, r.scope) == (own.pid, own.scope)]
@@ -105,11 +113,13 @@ class ExpiryReports:
         report = yield
         if report.failed:
             excinfo = call.excinfo
-            if excinfo is not None and isinstance(excinfo.value, ScopeExpired):
-                exc = excinfo.value
+            exc = _scope_expired_in(excinfo.value) if excinfo is not None else None
+            if exc is not None:
                 _lead_with_scope_line(report, exc)
                 # Its facts travel with the report (to an xdist controller).
                 _add_properties(report, _record_of(item, exc))
+            elif running.interrupted_here(item):
+                setattr(report, CAUGHT_IN, unpatched.getpid())
             _add_process_sections(item, report)
             _add_collective_sections(item, report)
         return report
@@ -167,6 +177,25 @@ def register_reports(config: pytest.Config) -> None:
         manager.register(ExpiryReports(), ExpiryReports.NAME)
     if not is_worker(config) and not manager.has_plugin(FailedReports.NAME):
         manager.register(FailedReports(config), FailedReports.NAME)
+
+
+def _scope_expired_in(exc: BaseException) -> ScopeExpired | None:
+    """The ScopeExpired that ``exc`` is, or that caused it: raised ``from`` it, while
+    handling it, or in an exception group (a trio nursery, an asyncio task group)."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        current = todo.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, ScopeExpired):
+            return current
+        todo.extend(e for e in (current.__cause__, current.__context__) if e is not None)
+        grouped = getattr(current, "exceptions", ())
+        if isinstance(grouped, (list, tuple)):
+            todo.extend(e for e in grouped if isinstance(e, BaseException))
+    return None
 
 
 def _record_of(item: pytest.Item, exc: ScopeExpired) -> ExpiryRecord:

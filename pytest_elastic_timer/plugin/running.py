@@ -94,6 +94,8 @@ class RunningTest:
         if self.tracing:
             self._trace_phase()
         self.when = ""
+        if self.interrupted:
+            self.item.stash[_INTERRUPTED] = True
         if len(self.stack) > self.depth:
             self._close_open_scopes()
         self.stack.prefix = self.outer_prefix
@@ -170,6 +172,18 @@ def note_expiry() -> None:
     """A scope of this process expired: the innermost running test was interrupted."""
     if _running:
         _running[-1].interrupted = True
+
+
+def interrupted_here(item: pytest.Item) -> bool:
+    """Whether a scope of this process expired during ``item`` (so far; also once the
+    test ended, for the report of its teardown, which pytest makes after that)."""
+    running = current(item)
+    if running is not None:
+        return running.interrupted
+    return item.stash.get(_INTERRUPTED, False)
+
+
+_INTERRUPTED = pytest.StashKey[bool]()
 
 
 def current(item: pytest.Item) -> RunningTest | None:
