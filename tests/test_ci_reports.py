@@ -788,3 +788,21 @@ def test_an_expired_test_reads_timeout_in_red_on_every_line(
     # In one process "test_x.py::test_x TIMEOUT", under xdist "[gw0] [100%] TIMEOUT test_x...".
     assert re.search(r"test_x\.py::test_x TIMEOUT\b|\] TIMEOUT test_x\.py::test_x\b", plain[0])
     assert plain[1].startswith("TIMEOUT test_x.py::test_x - scope 'test_x::call'"), plain
+
+
+@pytest.mark.parametrize("option", ["--elastic-timer-report", "--elastic-timer-trace"])
+def test_an_output_path_that_cannot_be_written_is_said_and_leaves_nothing(
+    pytester: pytest.Pytester, option: str
+) -> None:
+    """A report or trace path that is a directory: the session says it cannot write it,
+    keeps its exit status, and leaves no temporary file beside it."""
+    target = pytester.mkdir("taken")
+    pytester.makepyfile(test_ok="def test_ok():\n    pass\n")
+    session = run(pytester, f"{option}={target}", report=False)
+    session.assert_clean()
+    session.result.assert_outcomes(passed=1)
+    assert session.result.ret == 0
+    assert f"cannot write {target}" in session.text, session.text
+    assert sorted(p.name for p in pytester.path.iterdir() if p.name.startswith("taken")) == [
+        "taken"
+    ]

@@ -1529,3 +1529,18 @@ def test_a_session_with_a_report_waits_for_its_watchdog(tmp_path: Path) -> None:
     assert handle.stop({"exitstatus": 0}) == 0
     assert json.loads(report.read_text())["session"]["exitstatus"] == 0
     assert not os.path.exists(handle.directory)
+
+
+@pytest.mark.parametrize("shows", ["--help", "--markers"])
+def test_help_and_markers_start_no_watchdog(pytester: pytest.Pytester, shows: str) -> None:
+    """``pytest --help`` and ``--markers`` run no session: no watchdog starts, no
+    report is written, and the plugin's options and marker are listed."""
+    report = pytester.path / "report.json"
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    result = pytester.runpytest_subprocess(shows, f"--elastic-timer-report={report}")
+    assert result.ret == 0
+    expected = "*--elastic-timer-report=PATH*" if shows == "--help" else "*@pytest.mark.expires*"
+    result.stdout.fnmatch_lines([expected])
+    assert "elastic-timer: watchdog pid" not in result.stdout.str()
+    assert not report.exists()
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before

@@ -20,6 +20,7 @@ import pytest
 
 from pytest_elastic_timer.ci import junit_fallback
 from pytest_elastic_timer.ci.junit_fallback import FAILURE_TYPE
+from pytest_elastic_timer.core import atomic_file
 from pytest_elastic_timer.core.records import ExpiryRecord
 
 EXPIRED = pytest.StashKey[dict[str, list[ExpiryRecord]]]()
@@ -72,10 +73,7 @@ def fix_junit(path: str, expired: dict[str, list[ExpiryRecord]], prefix: str | N
                 ET.SubElement(props, "property", name=name, value=junit_fallback.xml_safe(value))
     if changed:
         text = ET.tostring(tree.getroot(), encoding="unicode")
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write('<?xml version="1.0" encoding="utf-8"?>' + text)
-        os.replace(tmp, path)
+        atomic_file.write_text(path, '<?xml version="1.0" encoding="utf-8"?>' + text)
     return changed
 
 

@@ -13,7 +13,6 @@ Nothing here imports pytest: it runs in the watchdog process.
 
 from __future__ import annotations
 
-import os
 import platform
 import re
 import time
@@ -21,6 +20,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Iterable
 from typing import Any
 
+from pytest_elastic_timer.core import atomic_file
 from pytest_elastic_timer.core.records import ExpiryRecord, format_record
 
 FAILURE_TYPE = "pytest_elastic_timer.ScopeExpired"
@@ -137,9 +137,4 @@ def build(records: Iterable[ExpiryRecord], session: dict[str, Any]) -> ET.Elemen
 def write(path: str, records: list[ExpiryRecord], session: dict[str, Any]) -> None:
     """Write a valid JUnit XML file at ``path`` naming every expired test."""
     text = ET.tostring(build(records, session), encoding="unicode")
-    target = os.path.abspath(path)
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    tmp = f"{target}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write('<?xml version="1.0" encoding="utf-8"?>' + text + "\n")
-    os.replace(tmp, target)
+    atomic_file.write_text(path, '<?xml version="1.0" encoding="utf-8"?>' + text + "\n")

@@ -34,6 +34,7 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
+from pytest_elastic_timer.core import atomic_file
 from pytest_elastic_timer.core import collectives as ring_format
 from pytest_elastic_timer.core.records import ExpiryRecord
 
@@ -301,13 +302,7 @@ def write(
     """Write the trace of ``events`` (see :func:`read_events`), ``records`` and
     ``collectives`` (see :func:`read_collectives`) to ``path``, atomically; returns it."""
     trace = build(events, records, session, collectives)
-    target = os.path.abspath(path)
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    tmp = f"{target}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(trace, f)
-        f.write("\n")
-    os.replace(tmp, target)
+    atomic_file.write_text(path, json.dumps(trace) + "\n")
     return trace
 
 

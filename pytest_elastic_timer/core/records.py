@@ -14,7 +14,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pytest_elastic_timer.core import stacks
+from pytest_elastic_timer.core import atomic_file, stacks
 
 REPORT_VERSION = 1
 ACTIONS = ("interrupted", "terminated", "killed")
@@ -145,13 +145,7 @@ def write_report(path: str, records: list[ExpiryRecord], session: dict[str, Any]
 
 def write_json(path: str, report: dict[str, Any]) -> None:
     """Write ``report`` to ``path`` in one step: a temporary file, then a rename."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
+    atomic_file.write_text(path, json.dumps(report, indent=2) + "\n")
 
 
 def shown_file(file: str, rootdir: str = "") -> str:

@@ -73,6 +73,8 @@ def pytest_configure(config: pytest.Config) -> None:
         ends_with_its_process=lifecycle.ends_with_its_process(),
     )
     config.stash[SESSION] = state
+    if config.getoption("help", False) or config.getoption("markers", False):
+        return  # pytest only shows its help or the markers: no session runs
 
     # A scope that expires in this process (in a test or beside it) is a failure, and
     # the test it cut short leaves no processes behind.

@@ -1,0 +1,29 @@
+"""Files written in one step: a reader sees the old file or the whole new one.
+
+The JSON report, the trace and the JUnit files are read by other programs (CI, a
+test of the suite that waits for the report) while the session may still write them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from pytest_elastic_timer.core import unpatched
+
+
+def write_text(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file beside it and a rename,
+    making the directory if need be. A write that fails (a full disk, a directory at
+    ``path``) leaves no temporary file behind."""
+    target = os.path.abspath(path)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    tmp = f"{target}.tmp{unpatched.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
