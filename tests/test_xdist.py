@@ -569,6 +569,26 @@ def test_session_scope_record_outside_tests_names_no_outer_test(
     assert "  phase:   collection" in session.lines
 
 
+def test_the_session_expiring_in_a_session_fixtures_teardown_is_listed(
+    pytester: pytest.Pytester,
+) -> None:
+    """The session's budget that runs out in a session fixture's teardown (after the
+    last test's call passed) ended the session: its expiry is listed in the summary at
+    default verbosity, not counted among those caught on purpose."""
+    pytester.makeconftest(
+        "import time\nimport pytest\n\n\n@pytest.fixture(scope='session')\n"
+        "def slow():\n    yield\n    time.sleep(30)\n"
+    )
+    pytester.makepyfile(test_a="def test_a(slow):\n    pass\n")
+    session = run(pytester, "--expires-session=1.5")
+    session.assert_clean()
+    assert session.report is not None
+    (record,) = session.report["expired"]
+    assert record["scope"] == "session" and record["nodeid"] == "test_a.py::test_a"
+    assert "caught on purpose" not in session.stdout
+    assert any(line.startswith("scope 'session' expired after") for line in session.lines)
+
+
 # -- processes a test started, under xdist: their records in the failure text --------
 CHILDREN = (
     PLAIN_CHILD_TEST

@@ -239,12 +239,14 @@ def _register_slow_if_used(config: pytest.Config, facts: SessionFacts) -> None:
 
 def _in_passed_tests(terminalreporter: Any, found: list[records.ExpiryRecord]) -> set[str]:
     """The node ids of tests that passed (no phase of them failed) among those of
-    ``found``."""
+    ``found``, but for the session's own expiry, which ends the session wherever it
+    comes (in a session fixture's teardown, say, after the test's call passed)."""
     stats = terminalreporter.stats
     passed = {r.nodeid for r in stats.get("passed", ()) if getattr(r, "when", "") == "call"}
     if passed:
         for key in ("failed", "error"):
             passed.difference_update(getattr(r, "nodeid", "") for r in stats.get(key, ()))
+        passed.difference_update(r.nodeid for r in found if r.scope == lifecycle.SESSION_SCOPE)
     return passed & {r.nodeid for r in found}
 
 

@@ -20,6 +20,7 @@ from pytest_elastic_timer.scope import client, scopes
 from pytest_elastic_timer.scope.scopes import ScopeExpired, TimerRequest
 
 SESSION_END_GRACE = 5.0  # for the session's end (summary, reports) after its interrupt
+SESSION_SCOPE = "session"  # the name of the session's own scope (--expires-session)
 
 
 def session_facts(config: pytest.Config, state: SessionState) -> dict[str, Any]:
@@ -152,7 +153,7 @@ def enter_session_scope(session: pytest.Session, state: SessionState) -> None:
     state.session = session
     # After the interrupt the session still has to end (summary, reports): that gets
     # a few seconds on top of the usual grace before the watchdog steps in.
-    scope = TimerRequest(budget, "session", grace=state.settings.grace + SESSION_END_GRACE)
+    scope = TimerRequest(budget, SESSION_SCOPE, grace=state.settings.grace + SESSION_END_GRACE)
     scope.detached = True
     scope.on_expire = lambda exc: _end_session(state, exc)
     scope.at = (str(config.rootpath), 0)
