@@ -338,14 +338,18 @@ class Watchdog:
 
     def end_strays(self) -> None:
         """Processes of the session still running at its end are ended with their trees."""
-        procs: list[psutil.Process] = []
+        # By pid: an owner below another owner (a child of a pytest that died) is in
+        # both trees, and is one stray.
+        found: dict[int, psutil.Process] = {}
         for owner in self.owners.everyone():
             if owner.pid == self.root.pid and not self.root_died:
                 continue
             if proctree.alive([owner.proc]):
-                procs.extend(proctree.tree_of(owner.proc, {os.getpid()}))
-        if not procs:
+                for proc in proctree.tree_of(owner.proc, {os.getpid()}):
+                    found.setdefault(proc.pid, proc)
+        if not found:
             return
+        procs = list(found.values())
         self.session["stray_processes"] = [proctree.describe(p) for p in procs]
         proctree.end_all(procs, self.kill_after)
 
