@@ -317,3 +317,16 @@ def test_an_expiry_caught_on_purpose_is_not_what_failed_the_test(
     xml = junit.read_text()
     assert xml.count('type="pytest_elastic_timer.ScopeExpired"') == 2, xml
     assert 'message="AssertionError: unrelated assertion' in xml
+
+
+def test_a_doctest_that_expires_leads_with_the_scope_line(pytester: pytest.Pytester) -> None:
+    """A doctest example that runs past the default budget: its failure reads TIMEOUT
+    and begins with the scope line, as any test's does."""
+    pytester.makepyfile(mod='def f():\n    """\n    >>> import time; time.sleep(30)\n    """\n')
+    session = run(pytester, "--doctest-modules", "--expires=0.5", "mod.py")
+    session.assert_clean()
+    session.result.assert_outcomes(failed=1)
+    lines = session.stdout.splitlines()
+    title = next(i for i, s in enumerate(lines) if "[doctest] mod.f" in s)
+    assert lines[title + 1].startswith("scope 'mod.f::call' expired after"), lines[title + 1]
+    assert "TIMEOUT mod.py::mod.f" in session.stdout

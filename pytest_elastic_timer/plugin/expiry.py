@@ -181,7 +181,8 @@ def register_reports(config: pytest.Config) -> None:
 
 def _scope_expired_in(exc: BaseException) -> ScopeExpired | None:
     """The ScopeExpired that ``exc`` is, or that caused it: raised ``from`` it, while
-    handling it, or in an exception group (a trio nursery, an asyncio task group)."""
+    handling it, in an exception group (a trio nursery, an asyncio task group), or in
+    a doctest example (doctest's UnexpectedException keeps it in ``exc_info``)."""
     seen: set[int] = set()
     todo = [exc]
     while todo:
@@ -195,6 +196,9 @@ def _scope_expired_in(exc: BaseException) -> ScopeExpired | None:
         grouped = getattr(current, "exceptions", ())
         if isinstance(grouped, (list, tuple)):
             todo.extend(e for e in grouped if isinstance(e, BaseException))
+        info = getattr(current, "exc_info", None)
+        if isinstance(info, tuple) and len(info) == 3 and isinstance(info[1], BaseException):
+            todo.append(info[1])
     return None
 
 
@@ -268,6 +272,7 @@ def _lead_with_scope_line(report: pytest.TestReport, exc: ScopeExpired) -> None:
         first.reprentries = [ReprEntryNative([line + "\n"]), *first.reprentries]
         if longrepr.reprcrash is not None:
             longrepr.reprcrash.message = line
-    elif isinstance(longrepr, str):
+    elif isinstance(longrepr, str) or hasattr(longrepr, "toterminal"):
+        # Another kind of failure text (a doctest's) as text, as xdist sends it anyway.
         report.longrepr = f"{line}\n{longrepr}"
     report.user_properties.append((SCOPE_PROPERTY, exc.scope))
