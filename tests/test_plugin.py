@@ -1544,3 +1544,50 @@ def test_help_and_markers_start_no_watchdog(pytester: pytest.Pytester, shows: st
     assert "elastic-timer: watchdog pid" not in result.stdout.str()
     assert not report.exists()
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+
+
+ZOMBIE_THEN_HANG = """
+import subprocess
+import sys
+import time
+
+import pytest
+
+KEPT = []
+
+
+def test_leaves_a_zombie():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    child.kill()
+    KEPT.append(child)  # never waited for: a zombie until the session ends
+    with open("zombie", "w") as f:
+        f.write(str(child.pid))
+
+
+@pytest.mark.expires(0.5)
+def test_hangs_beside_a_child():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    with open("live", "w") as f:
+        f.write(str(child.pid))
+    try:
+        time.sleep(30)
+    finally:
+        child.kill()
+        child.wait()
+"""
+
+
+def test_a_zombie_of_an_earlier_test_is_not_in_a_records_children(
+    pytester: pytest.Pytester,
+) -> None:
+    """The children a record lists are the processes the owner runs when its scope
+    expires: a zombie an earlier test left unreaped is not one of them."""
+    pytester.makepyfile(test_zombie=ZOMBIE_THEN_HANG)
+    session = run(pytester)
+    session.assert_clean()
+    session.result.assert_outcomes(passed=1, failed=1)
+    zombie = int((pytester.path / "zombie").read_text())
+    live = int((pytester.path / "live").read_text())
+    record = session.record("test_hangs_beside_a_child::call")
+    listed = [c["pid"] for c in record["children"]]
+    assert live in listed and zombie not in listed, record["children"]

@@ -73,8 +73,9 @@ class Dumper:
         signum = self.dump_signal
         me = os.getpid()
         asked = AskedDumps(self.clock() + PATIENCE)
-        # (the watchdog is pytest's child, but nobody's evidence)
-        below = [p for p in proctree.descendants(owner.proc) if p.pid != me]
+        # (the watchdog is pytest's child, but nobody's evidence; a zombie, an earlier
+        # test's child that nobody reaped yet, is nothing this test runs)
+        below = [p for p in proctree.alive(proctree.descendants(owner.proc)) if p.pid != me]
         paths: list[tuple[str, int, bool]] = []
         for proc in below:  # the signals first: the dumps begin while the rest is done
             path = startup.dump_path(self.directory, proc.pid)

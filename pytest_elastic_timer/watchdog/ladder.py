@@ -100,7 +100,8 @@ class Ladder:
             forget(owner, expiry)  # unwound by an enclosing scope: no record of its own
 
     def _terminate(self, owner: Owner, expiry: Expiry, stack: str) -> Generator[float, None, None]:
-        tree = proctree.tree_of(owner.proc, {os.getpid()})
+        # Zombies left out: nothing to end, and nothing the owner runs now.
+        tree = proctree.alive(proctree.tree_of(owner.proc, {os.getpid()}))
         if not expiry.children:
             expiry.children = [proctree.describe(p) for p in tree if p.pid != owner.pid]
         ended = [proctree.describe(p) for p in tree]
