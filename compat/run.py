@@ -47,6 +47,8 @@ PLUGINS = {
     "pytest-mock": Plugin("pytest-mock==3.17.0", ("tests",), ("mock", "pytest-asyncio")),
     "pytest-rerunfailures": Plugin("pytest-rerunfailures==16.7", ("tests",)),
     "pytest-timeout": Plugin("pytest-timeout==2.4.0", ("test_pytest_timeout.py",), ("pexpect",)),
+    "pytest-xdist": Plugin("pytest-xdist==3.8.0", ("testing",), ("filelock",)),
+    "pytest-asyncio": Plugin("pytest-asyncio==1.5.0", ("tests",), ("hypothesis",)),
 }
 # What this project installs besides itself, in both environments, so that the one
 # difference between them is this plugin.
@@ -105,6 +107,11 @@ def run_suite(
     env = {k: v for k, v in os.environ.items() if k not in DROPPED}
     env = {k: v for k, v in env.items() if not k.startswith("PYTEST_ELASTIC_TIMER")}
     env["COMPAT_OUTCOMES"] = str(out.with_suffix(".json"))
+    # A temporary directory of its own: pytest removes all but the newest three
+    # pytest-of-<user> directories, also those of another session running meanwhile.
+    tmp = out.parent / f"{out.name}-tmp"
+    tmp.mkdir(exist_ok=True)
+    env["TMPDIR"] = str(tmp)
     env["PYTHONPATH"] = os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     argv = [str(python), "-m", "pytest", "-p", "outcomes", "-p", "no:cacheprovider", "-rA"]
     argv += [*plugin.args, *(nodeids or plugin.tests)]
