@@ -40,6 +40,8 @@ LEAN = (
     "no:xdist",
     "-p",
     "no:timeout",
+    "-p",
+    "no:trio",
     # Libraries that tests/test_installed.py runs beside the plugin: where pyfakefs is
     # loaded, the plugin loads its report machinery up front.
     "-p",

@@ -11,10 +11,12 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-from helpers import Session, run
+from helpers import Session, lead, run, scope_line
 
 HAS_TRIO = importlib.util.find_spec("trio") is not None
 HAS_ANYIO = importlib.util.find_spec("anyio") is not None
+HAS_PYTEST_TRIO = importlib.util.find_spec("pytest_trio") is not None
+HAS_PYTEST_ASYNCIO = importlib.util.find_spec("pytest_asyncio") is not None
 
 ASYNCIO_TESTS = """
 import asyncio
@@ -150,3 +152,94 @@ def test_a_trio_guest_run_ends_at_its_deadline(pytester: pytest.Pytester) -> Non
     session = run(pytester, "-p", "anyio")
     session.result.assert_outcomes(passed=1, failed=1)
     _assert_failed_by_scopes(session, [("test_guest_sleeping", "sleeping")])
+
+
+# Async test functions run by the loop plugins, bounded by their marker: the test's call
+# phase is a scope entered outside the loop, whose expiry cancels the test's task.
+PLUGIN_RUN_TESTS = """
+import asyncio
+import os
+
+import anyio
+import pytest
+import trio
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request):
+    return request.param
+
+
+@pytest.mark.expires(0.5)
+@pytest.mark.trio
+async def test_trio_waits():
+    await trio.sleep(30)
+
+
+@pytest.mark.expires(0.5)
+@pytest.mark.trio
+async def test_trio_busy():
+    while True:
+        os.times()
+
+
+@pytest.mark.trio
+async def test_trio_after():
+    await trio.sleep(0.01)
+
+
+@pytest.mark.expires(0.5)
+@pytest.mark.asyncio
+async def test_asyncio_waits():
+    await asyncio.sleep(30)
+
+
+@pytest.mark.asyncio
+async def test_asyncio_after():
+    await asyncio.sleep(0.01)
+
+
+@pytest.mark.expires(0.5)
+@pytest.mark.anyio
+async def test_anyio_waits(anyio_backend):
+    await anyio.sleep(30)
+
+
+@pytest.mark.anyio
+async def test_anyio_after(anyio_backend):
+    await anyio.sleep(0.01)
+"""
+
+
+@pytest.mark.skipif(
+    not (HAS_TRIO and HAS_ANYIO and HAS_PYTEST_TRIO and HAS_PYTEST_ASYNCIO),
+    reason="needs trio, anyio, pytest-trio and pytest-asyncio",
+)
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one", "xdist"])
+def test_a_marker_budget_cancels_the_task_of_an_async_test(
+    pytester: pytest.Pytester, workers: list[str]
+) -> None:
+    """An async test run by pytest-trio, pytest-asyncio or anyio's plugin (both of its
+    backends) that waits past its marker's budget fails by its phase's scope, as
+    interrupted; nothing is terminated, and the same library's next test passes. Before,
+    trio's run ended for good (the next pytest-trio test failed), and under anyio's trio
+    runner pytest itself was terminated."""
+    pytester.makeini("[pytest]\nasyncio_default_fixture_loop_scope = function\n")
+    pytester.makepyfile(test_plugin_run=PLUGIN_RUN_TESTS)
+    args = ["-p", "no:cacheprovider", "-p", "no:randomly", *workers]
+    session = run(pytester, *args, lean=False)
+    session.result.assert_outcomes(passed=4, failed=5)
+    expired = [
+        "test_trio_waits",
+        "test_trio_busy",
+        "test_asyncio_waits",
+        "test_anyio_waits[asyncio]",
+        "test_anyio_waits[trio]",
+    ]
+    for test in expired:
+        assert scope_line(f"{test}::call", "0.5").match(lead(session, test)), test
+        record = session.record(f"{test}::call")
+        assert record["action"] == "interrupted" and record["elapsed"] < 5, record
+    assert session.report is not None and not session.report["session"]["root_died"]
+    assert "terminated" not in session.text and "pytest was ended" not in session.text
+    session.assert_clean()

@@ -10,8 +10,11 @@ which also ends the test. The wrappers that give setup and teardown budgets of t
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import warnings
-from collections.abc import Generator
+from collections.abc import Callable, Generator
+from typing import Any
 
 import pytest
 
@@ -252,16 +255,47 @@ def call(item: pytest.Item) -> Generator[None, None, None]:
         scope = running.call_scope = scopes.enter_test_phase(
             running.phase_scope("call", budgets), running.stack
         )
+        put_back = run_coroutine_in_task_of(item, scope)
         try:
             result = yield
         except BaseException as exc:
+            put_back()
             scopes.leave_test_phase(scope, exc)
             raise
+        put_back()
         scopes.leave_test_phase(scope, None)  # raises ScopeExpired if it overran
         return result
     except BaseException as exc:
         watch_failures_of(item.config, exc)
         raise
+
+
+def run_coroutine_in_task_of(item: pytest.Item, scope: TimerRequest) -> Callable[[], None]:
+    """A test function that is a coroutine function (run by pytest-asyncio, pytest-trio
+    or anyio's plugin, which read ``item.obj`` when they run it) runs in a task that
+    ``scope``, the call phase's, cancels at its deadline
+    (:func:`~pytest_elastic_timer.scope.scopes.await_in_task_of`); returns the function
+    that puts the test function back."""
+    function = getattr(item, "obj", None)
+    if not inspect.iscoroutinefunction(function):
+        return _nothing
+    assert function is not None
+
+    @functools.wraps(function)
+    async def in_task_of_the_phase(*args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True
+        return await scopes.await_in_task_of(scope, function(*args, **kwargs))
+
+    item.obj = in_task_of_the_phase  # type: ignore[attr-defined]  # a pytest.Function's
+
+    def put_back() -> None:
+        item.obj = function  # type: ignore[attr-defined]
+
+    return put_back
+
+
+def _nothing() -> None:
+    pass
 
 
 def _call_of_unknown_test(item: pytest.Item) -> Generator[None, None, None]:

@@ -21,9 +21,9 @@ import sys
 import threading
 import warnings
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from types import FrameType, TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 from pytest_elastic_timer.core import afterfork, unpatched
 from pytest_elastic_timer.core import table as tbl
@@ -36,6 +36,7 @@ __all__ = [
     "ScopeStack",
     "TimeoutException",
     "TimerRequest",
+    "await_in_task_of",
     "close_above",
     "current_scope",
     "current_state",
@@ -60,6 +61,7 @@ _INF = math.inf
 _NUMBERS = (int, float)
 _EARLY = delivery.EARLY
 monotonic = unpatched.monotonic  # the real clock, even while a test freezes time
+T = TypeVar("T")
 
 
 # Called (without arguments) whenever a ScopeExpired is about to be raised here, after
@@ -369,15 +371,9 @@ class TimerRequest:
                 self.path, self._start, stack.tid if stack is not None else 0, self._delivered
             )
         task = self._task
-        # Trio's cancel scope entered with this one is left, taking the Cancelled of its
-        # own cancellation (this scope's expiry) if that is what ends the block.
-        taken = task.leave(exc) if task is not None and type(task) is delivery.TrioTask else False
-        if self._delivered:
-            if task is not None and (taken or delivery.is_our_cancel(exc, self.path)):
-                if hasattr(task, "uncancel"):  # Python 3.11+
-                    task.uncancel()
-                raise _report(self, monotonic(), "interrupted", None, task=task) from exc
-        elif slot >= 0 and exc is None and not self._cancelled:
+        if task is not None and _ended_by_its_cancellation(self, task, exc):
+            raise _report(self, monotonic(), "interrupted", None, task=task) from exc
+        if not self._delivered and slot >= 0 and exc is None and not self._cancelled:
             # Still open past its deadline: the interrupt was late (a loaded machine) or
             # came in the middle of our own bookkeeping. An overrun is never silent.
             now = monotonic()
@@ -628,6 +624,54 @@ def _label_rank(label: str) -> None:
 ranklabel.listeners.append(_label_rank)
 
 
+def _ended_by_its_cancellation(scope: TimerRequest, task: Any, exc: BaseException | None) -> bool:
+    """The block of ``scope``, whose ``task`` is leaving it with ``exc`` in flight:
+    leave the trio cancel scope entered beside it (which takes the ``Cancelled`` of its
+    own cancellation), and say whether the cancellation of the scope's expiry is what
+    ends the block (asyncio's is uncancelled: the task goes on)."""
+    taken = task.leave(exc) if type(task) is delivery.TrioTask else False
+    if scope._delivered and (taken or delivery.is_our_cancel(exc, scope.path)):
+        if hasattr(task, "uncancel"):  # Python 3.11+
+            task.uncancel()
+        return True
+    return False
+
+
+async def await_in_task_of(scope: TimerRequest, awaitable: Awaitable[T]) -> T:
+    """Await ``awaitable`` in the running task (asyncio or trio), which ``scope``, an
+    open scope entered outside every event loop (a test's phase), cancels at its
+    deadline; raises ScopeExpired here when it did.
+
+    Without it, the expiry of such a scope raises wherever the loop happens to be when
+    the interrupt comes: in trio's run loop, which then ends for good (the process's
+    later trio tests fail), or in the host loop of a guest run. With it, the task is
+    cancelled, as for a scope entered in the task, and the loop goes on.
+    """
+    __tracebackhide__ = True
+    aio = _modules.get("asyncio")
+    task = aio.current_task() if aio and aio._get_running_loop() else None
+    if task is None and "trio" in _modules:
+        task = delivery.enter_trio_task()
+    if task is None or scope._state is None or scope._task is not None:
+        if type(task) is delivery.TrioTask:
+            task.leave(None)  # entered for nothing
+        return await awaitable
+    scope._task = task
+    try:
+        result = await awaitable
+    except BaseException as exc:
+        scope._task = None
+        if _ended_by_its_cancellation(scope, task, exc):
+            expired = _report(scope, monotonic(), "interrupted", None, task=task)
+            # With the traceback of the cancellation: the failure shows where the test
+            # waited, not the runner's frames above this one.
+            raise expired.with_traceback(exc.__traceback__) from exc
+        raise
+    scope._task = None
+    _ended_by_its_cancellation(scope, task, None)
+    return result
+
+
 def _close_abandoned(stack: ScopeStack, scope: TimerRequest) -> None:
     """``scope`` ends while scopes it encloses are still open (acquired and never
     released): they end with it, as in Trio, so that no forgotten scope outlives its
@@ -816,4 +860,5 @@ delivery.mark_critical(
     leave_test_phase,
     resume,
     _report,
+    _ended_by_its_cancellation,
 )
