@@ -1398,6 +1398,43 @@ def test_short_scopes_before_the_watchdog_is_up_do_not_fill_its_connection(
     session.assert_clean()
 
 
+def test_many_expiries_before_the_watchdog_is_up_block_nothing(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every expiry tells the watchdog where the owner was. Before the watchdog reads
+    its connection, hundreds of them filled it, and the next one blocked the process in
+    its signal handler until the watchdog read, which it never did: the test was to open
+    its gate afterwards (on a loaded machine, even 2 ms scopes expire so). They wait in
+    the process and reach the watchdog once it answers: every one is recorded."""
+    gate = _gated_watchdog(pytester, monkeypatch)
+    pytester.makepyfile(
+        test_many=f"""
+        import time
+        import pytest_elastic_timer as et
+
+        def test_many():
+            expired = 0
+            try:
+                for _ in range(600):
+                    try:
+                        with et.expires(0.001, scope="short"):
+                            while True:
+                                time.sleep(0.001)
+                    except et.ScopeExpired:
+                        expired += 1
+            finally:
+                open({str(gate)!r}, "w").close()  # the watchdog comes up now
+            assert expired == 600
+        """
+    )
+    session = run(pytester, timeout=60)
+    session.result.assert_outcomes(passed=1)
+    assert session.report is not None
+    assert len(session.report["expired"]) == 600
+    assert session.report["session"]["dropped_messages"] == 0
+    session.assert_clean()
+
+
 def test_an_inner_session_ends_a_watchdog_that_is_not_up_yet(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:

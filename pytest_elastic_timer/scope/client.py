@@ -42,6 +42,10 @@ THREAD_PREFIX = "elastic-timer-"
 # How long a process waits for the watchdog's answer to its hello where it needs it: as
 # long as a loaded machine may take to start the watchdog's interpreter.
 WELCOME_TIMEOUT = 30.0
+# Messages kept in the process while the watchdog has not answered yet and its
+# connection is full; beyond this many, the oldest are dropped (and the watchdog still
+# finds what their scopes' slots say).
+UNSENT_LIMIT = 10_000
 
 SignalHandler = Callable[[int, FrameType | None], Any]
 # Where a scope is entered, as ProcessState.lookup_entry finds it: (code or explicit
@@ -175,6 +179,12 @@ class ProcessState:
         # The earliest "wake" sent before the watchdog answered: it has yet to read
         # them, and the first it reads makes it look at the whole table.
         self.wake_queued = float("inf")
+        # Messages for a watchdog that has not answered yet, which found its connection
+        # full (a process that sends on a full connection blocks until the watchdog
+        # reads: in its signal handler, and maybe before the code that lets the watchdog
+        # come up runs). Sent in order once it answers.
+        self.unsent: deque[bytes] = deque(maxlen=UNSENT_LIMIT)
+        self.sending = threading.Lock()  # one sender of the unsent at a time
         self.standby_ended = False  # close() was called: a standby thread ends quietly
         self.lose_lock = threading.Lock()
         # Free slots. A deque: a list that a loop's one scope empties and fills again
@@ -322,6 +332,7 @@ class ProcessState:
             return
         self.welcomed = True
         self._wake_standby()
+        self._send_unsent()
         self.grace = float(fields.get("grace", self.grace))
         self._watchdog_pid = int(fields.get("pid", 0))
         if fields.get("trace") and self.trace is None and self.address:
@@ -373,6 +384,8 @@ class ProcessState:
         # The process may have read the answer, or lost the watchdog, meanwhile.
         if why and not self.standby_ended and not self.welcomed:
             self._lose(why)
+        elif not why:
+            self._send_unsent()  # the watchdog reads now: what waited for it goes
 
     def _stand_in(self, watched: socket.socket, woken: socket.socket) -> str:
         """Until the watchdog answers, interrupt this process at each deadline that
@@ -467,9 +480,24 @@ class ProcessState:
         self.sock = None
 
     def _close_socket(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
+        # Not while the standby thread sends what waited (for a while at most).
+        sending = self.sending.acquire(timeout=5.0)
+        try:
+            sock = self.sock
+            if sock is None:
+                return
+            # What the watchdog was not told yet, as far as the connection takes it: a
+            # process that ends before the watchdog answered still gets its expiries
+            # recorded (the watchdog reads a connection's messages after its end).
+            with contextlib.suppress(OSError):
+                while self.unsent:
+                    sock.send(self.unsent[0], socket.MSG_DONTWAIT)
+                    self.unsent.popleft()
+            sock.close()
             self.sock = None
+        finally:
+            if sending:
+                self.sending.release()
 
     def _warn(self, text: str) -> None:
         if not self.warned:
@@ -659,10 +687,46 @@ class ProcessState:
         sock = self.sock
         if sock is None:
             return
+        data = wire.encode(op, **fields)
+        if self.welcomed and not self.unsent:
+            try:
+                sock.sendall(data)
+            except OSError as exc:
+                self._lose(str(exc))
+            return
+        # Not answered yet: never block on a connection nobody reads. What does not
+        # fit now, and whatever follows it, waits for the answer.
+        if not self.unsent:
+            try:
+                sock.send(data, socket.MSG_DONTWAIT)  # a datagram: all of it, or nothing
+                return
+            except BlockingIOError:
+                pass
+            except OSError as exc:
+                self._lose(str(exc))
+                return
+        self.unsent.append(data)
+        if self.welcomed:
+            self._send_unsent()
+
+    def _send_unsent(self) -> None:
+        """Send the messages kept while the watchdog had not answered, in order (it
+        has now: it reads them). Called where the answer is read, and by the standby
+        thread once it sees the answer come. A signal handler that comes meanwhile only
+        adds to them, and this loop sends those too."""
+        if not self.sending.acquire(blocking=False):
+            return
+        failed = ""
         try:
-            sock.sendall(wire.encode(op, **fields))
+            while self.unsent and self.sock is not None:
+                self.sock.sendall(self.unsent[0])
+                self.unsent.popleft()
         except OSError as exc:
-            self._lose(str(exc))
+            failed = str(exc) or type(exc).__name__
+        finally:
+            self.sending.release()
+        if failed:
+            self._lose(failed)
 
     def watchdog_alive(self, every: float = 0.0) -> bool:
         """Whether the watchdog still holds our connection (a non-blocking peek, at

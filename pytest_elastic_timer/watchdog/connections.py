@@ -46,6 +46,9 @@ class Connections:
         self.drop = drop
         self.closed = closed  # (conn, peer pid) of every connection that ended
         self.peers: dict[socket.socket, int] = {}  # open connection -> its peer's pid
+        # Connections being read: a handler may ask to read its own connection again
+        # (the ladder looks for a report in flight), which the read going on does.
+        self.reading: set[socket.socket] = set()
         if listener is None:
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             listener.bind(address)
@@ -83,8 +86,15 @@ class Connections:
     def read(self, conn: socket.socket) -> None:
         """Handle every message waiting on ``conn``; end it if the peer went away."""
         peer_pid = self.peers.get(conn)
-        if peer_pid is None:
-            return  # ended already
+        if peer_pid is None or conn in self.reading:
+            return  # ended already, or being read: its loop reads on after this handler
+        self.reading.add(conn)
+        try:
+            self._read(conn, peer_pid)
+        finally:
+            self.reading.discard(conn)
+
+    def _read(self, conn: socket.socket, peer_pid: int) -> None:
         reset_seen = False
         while True:
             try:
