@@ -89,6 +89,9 @@ def stop_watchdog(config: pytest.Config, state: SessionState, end: dict[str, Any
     """Stop the session's watchdog; wait for it only where something must be read back
     or nothing would be left to reap it."""
     assert state.watchdog is not None
+    process = scopes.current_state()
+    if process is not None:
+        process.send_unsent_before_leaving()
     # Files the user reads after pytest: the JSON report, and the JUnit file, which is
     # the watchdog's only if pytest died (waited for all the same).
     files = bool(state.settings.report or config.getoption("xmlpath", None))

@@ -289,7 +289,7 @@ class ProcessState:
             self._start_trace(directory)
         # Closed at exit, so that a process that never calls close() (a child, an
         # xdist worker) is not warned about an unclosed socket.
-        atexit.register(self._close_socket)
+        atexit.register(self._disconnect)
         return table
 
     def _start_trace(self, directory: str) -> None:
@@ -440,6 +440,7 @@ class ProcessState:
 
         Everything the state installed is undone: the process is left as it was
         before (a pytest session run inside a test of another ends this way)."""
+        self.send_unsent_before_leaving()
         self.standby_ended = True
         self._wake_standby()
         standby = self.standby
@@ -449,7 +450,7 @@ class ProcessState:
             with contextlib.suppress(OSError):
                 self.standby_socket.shutdown(socket.SHUT_RDWR)
         self._close_socket()
-        atexit.unregister(self._close_socket)
+        atexit.unregister(self._disconnect)
         if standby is not None and standby is not threading.current_thread():
             standby.join(5.0)
         if self.standby_waker is not None:
@@ -478,6 +479,22 @@ class ProcessState:
             if sock is not None:
                 sock.close()
         self.sock = None
+
+    def send_unsent_before_leaving(self) -> None:
+        """Messages still waiting for the watchdog's answer (its connection was full
+        before it came up) are what it needs to record expiries: wait for the answer,
+        as long as :meth:`welcome` does, and send them. The plugin calls it before it
+        stops the watchdog, which reads no more after that."""
+        if self.unsent and self.sock is not None:
+            self.welcome()
+            if self.welcomed:
+                self._send_unsent(wait=True)
+
+    def _disconnect(self) -> None:
+        """At the process's exit: what waits is sent, the connection closed (a child or
+        an xdist worker never calls close())."""
+        self.send_unsent_before_leaving()
+        self._close_socket()
 
     def _close_socket(self) -> None:
         # Not while the standby thread sends what waited (for a while at most).
@@ -709,12 +726,13 @@ class ProcessState:
         if self.welcomed:
             self._send_unsent()
 
-    def _send_unsent(self) -> None:
+    def _send_unsent(self, wait: bool = False) -> None:
         """Send the messages kept while the watchdog had not answered, in order (it
         has now: it reads them). Called where the answer is read, and by the standby
         thread once it sees the answer come. A signal handler that comes meanwhile only
-        adds to them, and this loop sends those too."""
-        if not self.sending.acquire(blocking=False):
+        adds to them, and this loop sends those too. With ``wait``, it waits for
+        another thread that sends them, and returns once they are sent."""
+        if not self.sending.acquire(timeout=WELCOME_TIMEOUT if wait else 0):
             return
         failed = ""
         try:
