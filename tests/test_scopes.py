@@ -462,6 +462,8 @@ def _scope_in_forked_child() -> int:
     return _CHILD_WRONG_EXPIRY
 
 
+# On purpose: the standby thread (or the sentinel) may run while this test forks.
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_a_forked_child_owns_its_scopes_and_its_parent_keeps_its_own() -> None:
     with et.expires(30, scope="parent") as parent:
         pid = os.fork()
