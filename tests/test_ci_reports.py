@@ -806,3 +806,36 @@ def test_an_output_path_that_cannot_be_written_is_said_and_leaves_nothing(
     assert sorted(p.name for p in pytester.path.iterdir() if p.name.startswith("taken")) == [
         "taken"
     ]
+
+
+@pytest.mark.parametrize("workers", [[], ["-p", "xdist", "-n", "2"]], ids=["one", "xdist"])
+@pytest.mark.parametrize("trace", [[], ["--elastic-timer-trace=trace.json"]], ids=["", "trace"])
+def test_ci_outputs_raise_no_warning_under_strict_settings(
+    pytester: pytest.Pytester,
+    monkeypatch: pytest.MonkeyPatch,
+    workers: list[str],
+    trace: list[str],
+) -> None:
+    """On GitHub Actions, with JUnit, a JSON report, a budget (and a trace), a passing
+    session under ``filterwarnings = error`` passes and warns of nothing: the CI
+    outputs' modules are registered without pytest's assertion rewriting, which warned
+    that the slow phases' module was imported already (the session failed, and its
+    JUnit file was the watchdog's fallback)."""
+    github(monkeypatch, pytester.path)
+    # (pytest-asyncio, loaded in these runs, warns where its loop scope is unset)
+    pytester.makeini(
+        "[pytest]\nfilterwarnings = error\nasyncio_default_fixture_loop_scope = function\n"
+    )
+    pytester.makepyfile(
+        test_ok="import pytest\n\n@pytest.mark.expires(20)\ndef test_ok():\n    pass\n"
+    )
+    junit = pytester.path / "junit.xml"
+    session = run(pytester, *workers, *trace, f"--junitxml={junit}", lean=False)
+    session.assert_clean()
+    session.result.assert_outcomes(passed=1)
+    assert session.result.ret == 0
+    assert "warnings summary" not in session.stdout, session.stdout
+    assert "Warning" not in session.stderr, session.stderr
+    suite = ET.parse(junit).getroot()
+    assert "session-ended" not in junit.read_text()
+    assert sum(int(s.get("errors", 0)) for s in suite.iter("testsuite")) == 0

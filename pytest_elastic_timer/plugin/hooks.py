@@ -11,6 +11,7 @@ are registered by name, only when the session uses them.
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Generator
 from types import ModuleType
@@ -120,7 +121,19 @@ def _register_ci_outputs(config: pytest.Config, state: SessionState) -> None:
     if state.settings.trace:
         wanted.append(CI_TRACE)
     for name in wanted:
-        config.pluginmanager.import_plugin(name)
+        _register_module(config, name)
+
+
+def _register_module(config: pytest.Config, name: str) -> None:
+    """Import the plugin module ``name`` and register it under that name, once.
+
+    Not with ``import_plugin``: pytest marks a module it imports so for assertion
+    rewriting, and warns when it was imported already (the GitHub output imports the
+    slow phases' module), which ``filterwarnings = error`` makes an error of the
+    session. These modules assert nothing."""
+    manager = config.pluginmanager
+    if manager.get_plugin(name) is None and not manager.is_blocked(name):
+        manager.register(importlib.import_module(name), name)
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -234,7 +247,7 @@ def _register_slow_if_used(config: pytest.Config, facts: SessionFacts) -> None:
     """The slow phases' output, registered at the end of a session that can have any:
     SLOW lines need a budget, the slow and slowest facts a JSON report."""
     if facts.report or facts.budgets or facts.default_call:
-        config.pluginmanager.import_plugin(CI_SLOW)
+        _register_module(config, CI_SLOW)
 
 
 def _in_passed_tests(terminalreporter: Any, found: list[records.ExpiryRecord]) -> set[str]:
