@@ -539,6 +539,8 @@ def test_session_fixture_teardown_c_loop_reported_by_scope(pytester: pytest.Pyte
     assert timeouts, found
     for nodeid in timeouts:
         name = nodeid.split("::")[-1]
+        # An error of the test's teardown, where the session fixture's teardown ran.
+        assert f" ERROR at teardown of {name} " in session.stdout, session.stdout
         first = lead(session, name)
         assert scope_line("session", "5", HARD).match(first), first
         block = failure_block(session, name).splitlines()

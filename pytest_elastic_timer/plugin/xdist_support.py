@@ -142,7 +142,7 @@ def pytest_handlecrashitem(crashitem: str, report: pytest.TestReport, sched: Any
         return
     _mark_done(sched, crashitem)
     path, domain = crashitem.split("::", 1)[0], crashitem.split("::")[-1]
-    report.when = phase_of(record.scope, domain)
+    report.when = phase_of(record, domain)
     lineno = max(record.line - 1, 0) if record.file.endswith(path) else None
     report.location = (path, lineno, domain)
     report.longrepr = ExpiryRepr(record, path, record.line, config)
@@ -151,11 +151,15 @@ def pytest_handlecrashitem(crashitem: str, report: pytest.TestReport, sched: Any
     report.user_properties.append((SCOPE_PROPERTY, record.scope))
 
 
-def phase_of(scope: str, test_name: str) -> Any:
-    """The test phase a scope path belongs to (``test_x::setup/step`` -> setup)."""
+def phase_of(record: records.ExpiryRecord, test_name: str) -> Any:
+    """The test phase ``record``'s scope expired in: the one its path names
+    (``test_x::setup/step`` -> setup), or for a scope outside the test's (the session's,
+    in a session fixture's teardown) the phase its process was in."""
     for when in ("setup", "teardown"):
-        if scope.startswith(f"{test_name}::{when}"):
+        if record.scope.startswith(f"{test_name}::{when}"):
             return when
+    if not record.scope.startswith(f"{test_name}::") and record.phase in ("setup", "teardown"):
+        return record.phase
     return "call"
 
 
