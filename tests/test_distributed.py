@@ -640,3 +640,39 @@ def test_the_file_timer_fifo_is_back_after_a_torch_agent_took_it(
     scopes = sorted(r["scope"] for r in session.report["expired"]) if session.report else []
     assert len(scopes) == 3, scopes
     session.assert_clean()
+
+
+IN_WORKER_FILE_TIMER = """
+import os
+import time
+
+from torch.distributed.elastic import timer
+
+
+def test_in_worker_file_timer():
+    timer.configure(timer.FileTimerClient(os.environ["TORCHELASTIC_TIMER_FILE"]))
+    with timer.expires(after=0.5, scope="in-worker"):
+        time.sleep(60)
+
+
+def test_next():
+    pass
+"""
+
+
+@pytest.mark.expires(TORCH_BUDGET)
+def test_a_file_timer_client_in_an_xdist_worker_names_its_test(pytester: pytest.Pytester) -> None:
+    """A FileTimerClient in the xdist worker itself (a process that enters scopes of its
+    own too): its expiry ends the worker, and the report names the test and the worker,
+    which the worker's table says (its environment in /proc has neither): TIMEOUT by the
+    scope, not "worker 'gw0' crashed"."""
+    pytester.makepyfile(test_in_worker=IN_WORKER_FILE_TIMER)
+    xdist_one = [a if a != "2" else "1" for a in XDIST]
+    session = run(pytester, *xdist_one, f"--elastic-timer-grace={GRACE:g}", "-rA", lean=False)
+    session.assert_clean()
+    session.result.assert_outcomes(passed=1, failed=1)
+    assert "crashed while running" not in session.text, session.text
+    record = session.record("in-worker")
+    assert record["nodeid"] == "test_in_worker.py::test_in_worker_file_timer", record
+    assert record["worker"] == "gw0" and re.fullmatch(HARD, record["action"]), record
+    assert "TIMEOUT test_in_worker.py::test_in_worker_file_timer" in session.stdout

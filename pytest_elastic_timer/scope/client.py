@@ -612,19 +612,22 @@ class ProcessState:
 
     def set_nodeid(self, nodeid: str) -> None:
         self.nodeid = nodeid
-        self.nodeid_sid = self.sid(nodeid)
+        self.nodeid_sid = self.table.words[tbl.H_TEST_SID] = self.sid(nodeid)
 
     def set_test(self, nodeid: str, name: str, path: str, line: int) -> None:
         """The test this process runs from now on; its one string in the table names
         the test's phase scopes too (see ``table.test_entry``)."""
         self.nodeid = nodeid
         self.nodeid_sid = self.table.add_string(tbl.test_entry(nodeid, name, path, line))
+        # Also in the header: what the watchdog names a torch file-timer request of
+        # this process after (it has no slot of this table).
+        self.table.words[tbl.H_TEST_SID] = self.nodeid_sid
 
     def restore_test(self, nodeid: str, sid: int, phase: str) -> None:
         """Back to an earlier test (or none) in ``phase``, as :meth:`set_test` had
         written it."""
         self.nodeid = nodeid
-        self.nodeid_sid = sid
+        self.nodeid_sid = self.table.words[tbl.H_TEST_SID] = sid
         self.set_phase(phase)
 
     # -- trace --------------------------------------------------------------------

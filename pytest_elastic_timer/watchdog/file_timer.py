@@ -140,7 +140,7 @@ class FileTimerIntake:
         table = owner.table
         file, _, line_no = scope_id.rpartition("#")  # torch's default: "file#line"
         site = f"{file}:{line_no}" if file and line_no.isdigit() else ""
-        nodeid = owner.environ("PYTEST_CURRENT_TEST").rsplit(" (", 1)[0]
+        nodeid = owner.current_test()
         table.write_slot(
             slot,
             next(self.serials),

@@ -111,6 +111,10 @@ class Adopted(Protocol):
         """The process's environment variable ``name`` ("" if unset or unreadable)."""
         ...
 
+    def current_test(self) -> str:
+        """The nodeid of the test the process runs now ("" if none)."""
+        ...
+
 
 class TableHost(Host, Protocol):
     """A host that also keeps tables for processes that cannot keep their own."""

@@ -68,6 +68,9 @@ class Owner:
     expiries: dict[int, Expiry] = field(default_factory=dict)  # serial -> escalation
     finished: set[int] = field(default_factory=set)  # serials whose escalation ended
     next_scan: float = float("inf")
+    # For an adopted process that also enters scopes of its own (the pytest process, an
+    # xdist worker): that registered owner, whose table says what the process is.
+    registered_as: Owner | None = None
 
     @property
     def pid(self) -> int:
@@ -83,6 +86,17 @@ class Owner:
             return str(self.proc.environ().get(name, ""))
         except Exception:  # gone, or not ours to read
             return ""
+
+    def current_test(self) -> str:
+        """The nodeid of the test the process runs now ("" if none): as its own table
+        says (a process of the session's pytest), else its environment's
+        ``PYTEST_CURRENT_TEST`` (a child that a test started; the variable a pytest
+        process sets later is not in what /proc shows of its environment)."""
+        own = self.registered_as or self
+        sid = int(own.table.words[tbl.H_TEST_SID])
+        if sid:
+            return tbl.split_test_entry(own.table.string(sid))[0]
+        return self.environ("PYTEST_CURRENT_TEST").rsplit(" (", 1)[0]
 
 
 class Refused(wire.BadMessage):
@@ -200,12 +214,21 @@ class Owners(Mapping[int, Owner]):
             return None
         table = tbl.ScopeTable.create(None)
         owner = Owner(ident, proc, table, None, startup.dump_path(self.directory, pid))
+        registered = self.registered.get(pid)
+        if registered is not None and registered.ident == ident:
+            # It says what it is in its own table (its environment, as /proc shows it,
+            # is what it started with: no xdist worker id there).
+            owner.registered_as = registered
+            label = registered.header_text(tbl.H_LABEL_SID)
+            worker = registered.header_text(tbl.H_WORKER_SID)
+        else:
+            label = proctree.label_of(proc)
+            worker = owner.environ("PYTEST_XDIST_WORKER")
         dump_sig = self.dump_signal
         table.words[tbl.H_PID] = pid
         table.words[tbl.H_INTERRUPT_SIG] = 0  # it has no handler: no soft interrupt
         table.words[tbl.H_DUMP_SIG] = dump_sig if startup.catches(pid, dump_sig) else 0
-        table.words[tbl.H_LABEL_SID] = table.add_string(proctree.label_of(proc))
-        worker = owner.environ("PYTEST_XDIST_WORKER")
+        table.words[tbl.H_LABEL_SID] = table.add_string(label) if label else 0
         table.words[tbl.H_WORKER_SID] = table.add_string(worker) if worker else 0
         self.adopted[pid] = owner
         return owner
