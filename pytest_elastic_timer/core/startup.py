@@ -33,6 +33,19 @@ ENV_DUMP_SIGNAL = "PYTEST_ELASTIC_TIMER_DUMP_SIGNAL"
 # session directory (the watchdog reads it: watchdog/file_timer.py).
 ENV_TORCH_TIMER_FILE = "TORCHELASTIC_TIMER_FILE"
 TORCH_TIMER_FIFO = "torch-timer.fifo"
+
+
+def file_identity(file: str | int) -> list[int] | None:
+    """[device, inode] of the file at a path (not followed) or descriptor, as the
+    watchdog's answer to op ``torch_timer_file`` names the FIFO; None where there is
+    none."""
+    try:
+        st = os.lstat(file) if isinstance(file, str) else os.fstat(file)
+    except OSError:
+        return None
+    return [st.st_dev, st.st_ino]
+
+
 DIRECTORY = "startup"
 
 

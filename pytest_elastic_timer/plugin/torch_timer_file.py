@@ -23,7 +23,7 @@ class TorchTimerFile:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.seen = identity(path)
+        self.seen = startup.file_identity(path)
 
     @classmethod
     def of_session(cls) -> TorchTimerFile | None:
@@ -37,18 +37,8 @@ class TorchTimerFile:
 
     def check(self, process: client.ProcessState) -> None:
         """Have the watchdog put the FIFO back if the path changed since last seen."""
-        if identity(self.path) == self.seen:
+        if startup.file_identity(self.path) == self.seen:
             return
         answer = process.request("torch_timer_file")
         # Without an answer (the watchdog is gone), what is there now: asked only once.
-        self.seen = answer["identity"] if "identity" in answer else identity(self.path)
-
-
-def identity(path: str) -> list[int] | None:
-    """[device, inode] of the file at ``path`` (as the watchdog answers it); None where
-    there is none."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return None
-    return [st.st_dev, st.st_ino]
+        self.seen = answer["identity"] if "identity" in answer else startup.file_identity(self.path)

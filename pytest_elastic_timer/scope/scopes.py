@@ -285,10 +285,7 @@ class TimerRequest:
         # Inside a running event loop the expiry cancels the task (asyncio.timeout's
         # way, trio's cancel scopes) instead of raising wherever the loop happens to be.
         if in_coroutine if at is None else code.co_flags & _CO_ASYNC:
-            aio = _modules.get("asyncio")
-            self._task = aio.current_task() if aio and aio._get_running_loop() else None
-            if self._task is None and "trio" in _modules:
-                self._task = delivery.enter_trio_task()
+            self._task = _enter_running_task()
         elif self._task is not None:
             self._task = None
         now = self._start = monotonic()
@@ -624,6 +621,17 @@ def _label_rank(label: str) -> None:
 ranklabel.listeners.append(_label_rank)
 
 
+def _enter_running_task() -> Any:
+    """The task running this coroutine, which a scope's expiry is to cancel: asyncio's
+    current task, or in a trio task a :class:`delivery.TrioTask` whose cancel scope is
+    entered now; None outside both."""
+    aio = _modules.get("asyncio")
+    task = aio.current_task() if aio and aio._get_running_loop() else None
+    if task is None and "trio" in _modules:
+        task = delivery.enter_trio_task()
+    return task
+
+
 def _ended_by_its_cancellation(scope: TimerRequest, task: Any, exc: BaseException | None) -> bool:
     """The block of ``scope``, whose ``task`` is leaving it with ``exc`` in flight:
     leave the trio cancel scope entered beside it (which takes the ``Cancelled`` of its
@@ -648,10 +656,7 @@ async def await_in_task_of(scope: TimerRequest, awaitable: Awaitable[T]) -> T:
     cancelled, as for a scope entered in the task, and the loop goes on.
     """
     __tracebackhide__ = True
-    aio = _modules.get("asyncio")
-    task = aio.current_task() if aio and aio._get_running_loop() else None
-    if task is None and "trio" in _modules:
-        task = delivery.enter_trio_task()
+    task = _enter_running_task()
     if task is None or scope._state is None or scope._task is not None:
         if type(task) is delivery.TrioTask:
             task.leave(None)  # entered for nothing

@@ -79,14 +79,14 @@ class FileTimerIntake:
         """Op ``torch_timer_file``: put the FIFO back at its path if it is gone; the
         answer names what is at the path now, so that the asker knows it next time."""
         self.restore()
-        self.host.send(conn, "torch_timer_file", identity=identity(self.path))
+        self.host.send(conn, "torch_timer_file", identity=startup.file_identity(self.path))
 
     def restore(self) -> bool:
         """Make a new FIFO at the path, and read it, unless the path is this intake's
         FIFO or a FIFO that another server reads (torch's, while its agent runs: it
         removes the path when it stops). Whether a new one was made."""
-        at_path = identity(self.path)
-        if at_path == identity(self.read_fd) or (at_path and _has_reader(self.path)):
+        at_path = startup.file_identity(self.path)
+        if at_path == startup.file_identity(self.read_fd) or (at_path and _has_reader(self.path)):
             return False
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)  # a FIFO nobody reads (its server was killed), or worse
@@ -172,15 +172,6 @@ class FileTimerIntake:
             self.free[pid] = []
             self.scopes = {k: v for k, v in self.scopes.items() if k[0] != pid}
         return owner
-
-
-def identity(file: str | int) -> list[int] | None:
-    """[device, inode] of the file at a path or descriptor; None where there is none."""
-    try:
-        st = os.lstat(file) if isinstance(file, str) else os.fstat(file)
-    except OSError:
-        return None
-    return [st.st_dev, st.st_ino]
 
 
 def _has_reader(path: str) -> bool:
