@@ -186,6 +186,7 @@ class ProcessState:
         self.unsent: deque[bytes] = deque(maxlen=UNSENT_LIMIT)
         self.sending = threading.Lock()  # one sender of the unsent at a time
         self.standby_ended = False  # close() was called: a standby thread ends quietly
+        self.table_closed = False  # close() unmapped the table (nothing reads it then)
         self.lose_lock = threading.Lock()
         # Free slots. A deque: a list that a loop's one scope empties and fills again
         # is shrunk and grown (a realloc each way) by every scope.
@@ -470,6 +471,11 @@ class ProcessState:
         ):
             signal.signal(self.interrupt_sig, self.previous_handler)
             self.previous_handler = None
+        if standby is None or not standby.is_alive():
+            # The mapping holds a descriptor of the table's file: both go now, not
+            # whenever the last reference to this state happens to be collected.
+            self.table.close()
+            self.table_closed = True
 
     def forget_descriptors(self) -> None:
         """In a child forked from this process: close its copies of the descriptors of

@@ -481,7 +481,9 @@ class TimerRequest:
         if self.at is not None:
             return f"{self.at[0]}:{self.at[1]}"
         state = self._state or _state
-        return state.table.string(self._site_sid) if state is not None else ""
+        if state is None or state.table_closed:  # its session has ended
+            return ""
+        return state.table.string(self._site_sid)
 
     @property
     def active(self) -> bool:
