@@ -49,6 +49,15 @@ PLUGINS = {
     "pytest-timeout": Plugin("pytest-timeout==2.4.0", ("test_pytest_timeout.py",), ("pexpect",)),
     "pytest-xdist": Plugin("pytest-xdist==3.8.0", ("testing",), ("filelock",)),
     "pytest-asyncio": Plugin("pytest-asyncio==1.5.0", ("tests",), ("hypothesis",)),
+    # pytest's own suite (its "dev" extra, without coverage): thousands of pytester
+    # sessions, in-process and in subprocesses. Two workers keep it to minutes.
+    "pytest": Plugin(
+        "pytest==9.2.0",
+        ("testing",),
+        ("argcomplete", "attrs>=23.1", "hypothesis>=6.75", "mock", "numpy>=1.26",
+         "pexpect>=4.9", "pyyaml", "requests", "setuptools", "xmlschema", "pygments"),
+        ("-n", "2"),
+    ),  # fmt: skip
 }
 # What this project installs besides itself, in both environments, so that the one
 # difference between them is this plugin.
@@ -191,6 +200,10 @@ def main() -> int:
     unknown = sorted(set(names) - set(PLUGINS))
     if unknown:
         parser.error(f"unknown plugins {unknown}; known: {', '.join(PLUGINS)}")
+    if args.workdir is not None and args.workdir.resolve().is_relative_to(HERE):
+        # HERE is on the suites' PYTHONPATH (for the outcomes plugin): their files there
+        # would be importable as packages, which changes what some tests see.
+        parser.error(f"--workdir must be outside {HERE}")
     work = args.workdir or Path(tempfile.mkdtemp(prefix="elastic-timer-compat-"))
     agree = True
     for name in names:
