@@ -54,10 +54,21 @@ PLUGINS = {
     "pytest": Plugin(
         "pytest==9.2.0",
         ("testing",),
-        ("argcomplete", "attrs>=23.1", "hypothesis>=6.75", "mock", "numpy>=1.26",
-         "pexpect>=4.9", "pyyaml", "requests", "setuptools", "xmlschema", "pygments"),
+        (
+            "argcomplete",
+            "attrs>=23.1",
+            "hypothesis>=6.75",
+            "mock",
+            "numpy>=1.26",
+            "pexpect>=4.9",
+            "pyyaml",
+            "requests",
+            "setuptools",
+            "xmlschema",
+            "pygments",
+        ),
         ("-n", "2"),
-    ),  # fmt: skip
+    ),
 }
 # What this project installs besides itself, in both environments, so that the one
 # difference between them is this plugin.
