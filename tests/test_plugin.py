@@ -218,6 +218,63 @@ def test_after():
 """
 
 
+FINISHING_CHILD = """
+import subprocess
+import sys
+
+CHILDREN = []
+
+
+def test_returns_before_its_child_ends():
+    # Ends by itself 0.3 s after the test, with a status only its parent may collect.
+    code = "import sys, time; time.sleep(0.3); sys.exit(3)"
+    CHILDREN.append(subprocess.Popen([sys.executable, "-c", code]))
+
+
+def test_the_childs_status_is_still_its_parents():
+    (child,) = CHILDREN
+    assert child.wait(timeout=30) == 3
+"""
+
+
+@pytest.mark.parametrize("mode", ["warn", "kill"])
+def test_a_child_that_ends_just_after_its_test_is_not_a_leak(
+    pytester: pytest.Pytester, mode: str
+) -> None:
+    """A process a test left that ends by itself within a second of the teardown (a
+    producer's last item, a server shutting down) is not reported or ended, and is not
+    reaped: its parent still reads its exit status."""
+    pytester.makepyfile(test_finishing=FINISHING_CHILD)
+    session = run(pytester, "-rA", f"--elastic-timer-leaks={mode}", "-W", "error")
+    session.assert_clean()
+    session.result.assert_outcomes(passed=2)
+    assert "left 1 process(es)" not in session.stdout, session.stdout
+
+
+@pytest.mark.parametrize("pidfds", [True, False], ids=["pidfd", "polled"])
+def test_the_leak_check_waits_for_ending_processes_and_reaps_none(
+    monkeypatch: pytest.MonkeyPatch, pidfds: bool
+) -> None:
+    from pytest_elastic_timer.core import unpatched
+    from pytest_elastic_timer.plugin import leaks
+
+    if not pidfds:
+        monkeypatch.setattr(unpatched, "pidfd_open", None)
+    elif unpatched.pidfd_open is None:
+        pytest.skip("this kernel has no pidfds")
+    code = "import sys, time; time.sleep(0.2); sys.exit(3)"
+    ending = subprocess.Popen([sys.executable, "-c", code])
+    staying = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert leaks.still_running_after({ending.pid, staying.pid}, timeout=3.0) == {staying.pid}
+        assert ending.wait(timeout=30) == 3  # not reaped by the check
+    finally:
+        staying.kill()
+        staying.wait()
+        ending.kill()
+        ending.wait()
+
+
 def test_scope_left_open_by_a_test_does_not_hit_later_tests(pytester: pytest.Pytester) -> None:
     """A scope a test (or its fixture) leaves open ends with the test's phase scope, with
     a RuntimeWarning naming it; it never expires in a later test."""

@@ -28,6 +28,10 @@ if TYPE_CHECKING:
 # pytest process costs start-up time and some 2,000 objects that every full garbage
 # collection walks.
 
+# Seconds a process a test left has to end by itself before it counts as left running:
+# a producer finishing its last item, a server shutting down, a child not joined yet.
+SETTLE = 1.0
+
 _PR_SET_CHILD_SUBREAPER = 36
 _PR_GET_CHILD_SUBREAPER = 37
 
@@ -251,6 +255,49 @@ def end_leaks(pids: set[int], kill_after: float = 1.0) -> list[dict[str, object]
     for pid in pids:
         _reap(pid)
     return described
+
+
+def still_running_after(pids: set[int], timeout: float = SETTLE) -> set[int]:
+    """Those of ``pids`` that still run after waiting up to ``timeout`` seconds for them
+    to end by themselves (returns as soon as all have). None is reaped: whoever started
+    them still collects its exit status (multiprocessing and subprocess need it)."""
+    deadline = unpatched.monotonic() + timeout
+    if unpatched.pidfd_open is None:
+        return _poll_until_ended(pids, deadline)
+    waiting: dict[int, int] = {}  # pidfd -> pid; a pidfd reads ready once its process ended
+    try:
+        for pid in pids:
+            try:
+                waiting[unpatched.pidfd_open(pid)] = pid
+            except ProcessLookupError:
+                continue  # ended and reaped already
+            except OSError:  # no pidfds here after all
+                return _poll_until_ended(pids, deadline)
+        while waiting:
+            left = deadline - unpatched.monotonic()
+            if left <= 0:
+                break
+            for fd in unpatched.select(list(waiting), [], [], left)[0]:
+                del waiting[fd]
+                os.close(fd)
+        return set(waiting.values())
+    finally:
+        for fd in waiting:
+            os.close(fd)
+
+
+def _poll_until_ended(pids: set[int], deadline: float) -> set[int]:
+    import psutil
+
+    from pytest_elastic_timer.watchdog import proctree
+
+    procs = []
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            procs.append(psutil.Process(pid))
+    while (procs := proctree.alive(procs)) and unpatched.monotonic() < deadline:
+        unpatched.select([], [], [], 0.02)
+    return {proc.pid for proc in procs}
 
 
 def describe_running(pids: set[int]) -> list[dict[str, object]]:

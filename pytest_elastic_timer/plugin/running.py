@@ -144,6 +144,10 @@ class RunningTest:
         }
         if not new:
             return
+        if not self.interrupted:
+            new = leaks.still_running_after(new)
+            if not new:
+                return
         mode = state.settings.leaks
         # A test the plugin interrupted did not get to stop what it started (an
         # mp.spawn whose join was cut short would keep pytest from exiting): the
