@@ -184,6 +184,30 @@ def test_a_toml_ini_value_of_the_wrong_type_is_a_usage_error(
     assert session.watchdog_pid is None
 
 
+@pytest.mark.skipif(
+    pytest.version_tuple < (9, 2), reason="pytest 9.2 registers an ini key as text or number"
+)
+@pytest.mark.parametrize("expires", ["1", '"1"', "1.0"])
+def test_numbers_in_pytests_own_toml_table(pytester: pytest.Pytester, expires: str) -> None:
+    """pytest 9's [tool.pytest] keeps TOML's types: a number (or its text) is a budget,
+    and a value of another type is a usage error naming the option and the value."""
+    pytester.makepyprojecttoml(
+        f"[tool.pytest]\nexpires = {expires}\nelastic_timer_grace = 0.5\n"
+        "elastic_timer_scale = 1\nelastic_timer_slow = 0.9\n"
+    )
+    pytester.makepyfile(test_hang="import time\n\ndef test_hang():\n    time.sleep(30)\n")
+    session = run(pytester)
+    session.assert_clean()
+    session.result.assert_outcomes(failed=1)
+    assert session.record("test_hang::call")["budget"] == 1.0
+    pytester.makepyprojecttoml("[tool.pytest]\nexpires = true\n")
+    refused = run(pytester, report=False)
+    refused.assert_clean()
+    assert refused.result.ret == pytest.ExitCode.USAGE_ERROR
+    assert "config option 'expires' expects one of" in refused.stderr, refused.stderr
+    assert "got bool: True" in refused.stderr, refused.stderr
+
+
 def test_bad_ini_value_is_a_usage_error(pytester: pytest.Pytester) -> None:
     pytester.makeini("[pytest]\nexpires = abc\n")
     pytester.makepyfile(test_ok="def test_ok():\n    pass\n")

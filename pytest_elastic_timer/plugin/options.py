@@ -41,6 +41,11 @@ MARKER = (
     "must end within `seconds` (setup and teardown within their keywords); enforced by "
     "the pytest-elastic-timer watchdog."
 )
+# Options whose value is a number. pytest 9's own TOML table ([tool.pytest]) hands
+# the plugin TOML's types, and pytest 9.2 can register an ini key as "a string or a
+# number": there, `expires = 60` works as it does in [tool.pytest.ini_options].
+NUMBER_METAVARS = ("SECONDS", "FACTOR", "FRACTION")
+INI_NUMBERS = pytest.version_tuple >= (9, 2)
 DEFAULT_GRACE = 2.0
 DEFAULT_SLOW = 0.8
 LEAK_MODES = ("kill", "warn", "off")
@@ -64,7 +69,11 @@ def add_options(parser: pytest.Parser) -> None:
     group = parser.getgroup("elastic-timer", "per-step deadlines (pytest-elastic-timer)")
     for flag, ini, key, metavar in OPTIONS:
         group.addoption(flag, dest=ini, default=None, metavar=metavar, help=HELP[key])
-        parser.addini(ini, HELP[key], default=None)
+        if INI_NUMBERS and metavar in NUMBER_METAVARS:
+            # A string first: an ini file's "60" stays the text the plugin parses.
+            parser.addini(ini, HELP[key], type=str | float, default=None)
+        else:
+            parser.addini(ini, HELP[key], default=None)
 
 
 def option(config: pytest.Config, name: str) -> tuple[str, Any]:
