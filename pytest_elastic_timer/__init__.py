@@ -1,7 +1,8 @@
 """pytest-elastic-timer: per-step deadlines for distributed tests.
 
 Timer scopes (``expires()``, ``TimerRequest``) are enforced by a session-scoped watchdog
-process that lives outside every test process; see https://pytest-elastic-timer docs.
+process that lives outside every test process; the docs (``docs/`` in the source)
+describe them in full.
 
 Every public name is imported on first use: a process that only enters scopes never
 loads the barriers, events and locks or torch's timer client, and the watchdog process,

@@ -112,6 +112,13 @@ def test_each_report_keeps_host_empty_for_its_own_machine(
         assert report["session"]["host"] == host
 
 
+def test_the_report_pages_example_is_a_valid_report() -> None:
+    """docs/report.md shows a real report: it has every field the schema requires."""
+    page = (Path(__file__).parent.parent / "docs" / "report.md").read_text()
+    example = page.split("## Example", 1)[1].split("```json\n", 1)[1].split("\n```", 1)[0]
+    jsonschema.validate(json.loads(example), json.loads(SCHEMA.read_text()))
+
+
 def test_a_file_that_is_not_a_report_is_refused(tmp_path: Path) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text('{"version": 7, "expired": []}')

@@ -23,8 +23,10 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 from helpers import LEAN, RawClient, run
 
@@ -37,6 +39,7 @@ from pytest_elastic_timer.watchdog.__main__ import Assembly, build
 from pytest_elastic_timer.watchdog.loop import ManualClock
 from pytest_elastic_timer.watchdog.server import Watchdog
 
+REPORT_SCHEMA = Path(et.__file__).parent / "core" / "report.schema.json"
 SLACK = 0.5  # how long after its timeout a waiter may be released
 WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")  # when this suite runs under xdist
 ME = f"pid {os.getpid()}, {WORKER}" if WORKER else f"pid {os.getpid()}"  # how we are named
@@ -735,6 +738,7 @@ def test_barrier_across_ranks(pytester: pytest.Pytester) -> None:
             assert (os.path.basename(record["file"]), record["line"]) == ("rank.py", line)
             assert "1 party never arrived (1 of 3 parties missing)" in record["stack"]
     summary = session.report["session"]["sync"]
+    jsonschema.validate(session.report, json.loads(REPORT_SCHEMA.read_text()))
     assert summary["barrier"]["rounds"] == {"rounds": 100, "parties": 3}
     assert summary["barrier"]["start"]["timeouts"] == 1
     # The tests passed: their expiries were caught on purpose, and are counted.

@@ -487,6 +487,7 @@ class TimerRequest:
 
     @property
     def active(self) -> bool:
+        """Whether the scope is entered and not left yet."""
         return self._state is not None
 
     def __repr__(self) -> str:

@@ -71,6 +71,7 @@ class Party:
 
     @classmethod
     def from_wire(cls, data: Any) -> Party:
+        """A party as the watchdog's answer describes it (``unknown`` if unreadable)."""
         if not isinstance(data, dict):
             return cls(0, note="unknown")
         return cls(
@@ -156,6 +157,7 @@ class BarrierTimeout(SyncTimeout):
 
     @property
     def never_arrived(self) -> int:
+        """How many of the missing parties never called the barrier (no pid known)."""
         return sum(1 for p in self.missing if not p.pid)
 
 
