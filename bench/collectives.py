@@ -138,9 +138,7 @@ def measure(quick: bool) -> dict[str, Any]:
         with open(program, "w", encoding="utf-8") as f:
             f.write(source.replace("__OUT__", repr(out)))
         env = common.clean_env(
-            PYTHONPATH=os.pathsep.join(
-                p for p in (startup.install(directory), os.environ.get("PYTHONPATH", "")) if p
-            ),
+            PYTHONPATH=startup.python_path(os.environ.get("PYTHONPATH")),
             PYTEST_ELASTIC_TIMER=os.path.join(directory, "watchdog.sock"),
         )
         done = subprocess.run(

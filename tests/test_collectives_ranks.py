@@ -26,9 +26,7 @@ TIMEOUT = 120  # torch's start-up, twice, on a loaded machine
 
 def session_env(directory: Path, **extra: str) -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (startup.install(str(directory)), env.get("PYTHONPATH", "")) if p
-    )
+    env["PYTHONPATH"] = startup.python_path(env.get("PYTHONPATH"))
     env["PYTEST_ELASTIC_TIMER"] = str(directory / "watchdog.sock")
     env.pop("PYTEST_CURRENT_TEST", None)
     env.update(extra)

@@ -405,7 +405,8 @@ def test_nested_session_child_stack_in_failure_sections(
     """A session started inside another one (as pytester does): the inner session's
     start-up hook, first on PYTHONPATH, wins over the outer one it shadows."""
     outer = pytester.mkdir("outer")
-    monkeypatch.setenv("PYTHONPATH", startup.install(str(outer)))
+    monkeypatch.setenv("PYTHONPATH", startup.PYTHONPATH_DIRECTORY)
+    monkeypatch.setenv("PYTEST_ELASTIC_TIMER", str(outer / "watchdog.sock"))
     monkeypatch.setenv(startup.ENV_DUMP_SIGNAL, str(startup.session_dump_signal()))
     pytester.makepyfile(test_plain=PLAIN_CHILD_TEST)
     session = run(pytester, "-rA", nested=True)

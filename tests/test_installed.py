@@ -15,7 +15,9 @@ import time
 
 import psutil
 import pytest
-from helpers import wait_gone
+from helpers import top_level_environment, wait_gone
+
+import pytest_elastic_timer
 
 STRICT_SUITE = '''
 import subprocess
@@ -268,7 +270,7 @@ def test_child_sees_what_the_shadowed_sitecustomize_did():
     )
     seen = json.loads(out.stdout)
     startup = os.environ["PYTHONPATH"].split(os.pathsep)[0]
-    assert startup.endswith("startup")  # the session's own directory comes first
+    assert startup.endswith("pythonpath")  # the session's start-up directory comes first
     assert "/nonexistent/added-by-the-shadowed-sitecustomize" in seen["path"]
     assert True in seen["hooks"]
     assert seen["sitecustomize"] == os.path.join(os.environ["SHADOWED"], "sitecustomize.py")
@@ -289,6 +291,48 @@ def test_sitecustomize_chains_without_undoing_the_shadowed_one(
     pytester.makepyfile(test_chain=CHAIN_SUITE)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:asyncio")
     result.assert_outcomes(passed=1)
+
+
+COVERED_SUITE = """
+import subprocess
+import sys
+
+
+def test_child():
+    subprocess.run([sys.executable, "child.py"], check=True)
+"""
+
+
+def test_coverage_of_subprocesses_leaves_the_start_up_file_out(
+    pytester: pytest.Pytester,
+) -> None:
+    """coverage.py measuring subprocesses (``patch = subprocess``, as pytest-cov 7 does)
+    and no ``source``: the children's start-up file is not a file of the session (it
+    would be counted in the total and missing once the session is gone), and the report
+    runs after the session."""
+    coverage = pytest.importorskip("coverage", reason="needs coverage.py")
+    if tuple(int(n) for n in coverage.__version__.split(".")[:2]) < (7, 10):
+        pytest.skip("coverage.py 7.10 measures subprocesses with patch = subprocess")
+    (pytester.path / ".coveragerc").write_text("[run]\npatch = subprocess\n")
+    pytester.makepyfile(child="x = 1\n", test_covered=COVERED_SUITE)
+    with top_level_environment():
+        ran = pytester.run(
+            sys.executable, "-m", "coverage", "run", "-m", "pytest",
+            "-p", "elastic_timer", "-p", "no:cacheprovider", "-p", "no:asyncio",
+            "test_covered.py",
+        )  # fmt: skip
+        ran.assert_outcomes(passed=1)
+        pytester.run(sys.executable, "-m", "coverage", "combine")
+        report = pytester.run(sys.executable, "-m", "coverage", "report")
+    text = report.stdout.str() + report.stderr.str()
+    assert report.ret == 0, text  # every measured file is still there
+    assert "child.py" in text, text  # the child was measured
+    assert "pytest-elastic-timer-" not in text, text  # nothing of a session directory
+    # Installed from a wheel, the package (start-up file included) is third-party code
+    # that coverage leaves out; installed for development, it is measured with the rest.
+    package = os.path.dirname(pytest_elastic_timer.__file__)
+    for line in text.splitlines():
+        assert "sitecustomize" not in line or line.startswith(package), text
 
 
 # Counting stand-ins for the names a test may patch, installed for the whole session

@@ -5,11 +5,12 @@ A rank spawned by a harness (torch's ``MultiProcessTestCase``), a helper server,
 each of them is stuck, and the stacks must be taken before anything is interrupted,
 because harnesses tear their ranks down as soon as the test fails.
 
-The plugin writes a ``sitecustomize.py`` into the session directory and puts that
-directory first on ``PYTHONPATH``. In every Python process started in the session it
+The plugin puts the directory of ``pythonpath/sitecustomize.py`` (in this package)
+first on ``PYTHONPATH``. In every Python process started in the session that file
 registers :mod:`faulthandler` on one signal (``PYTEST_ELASTIC_TIMER_DUMP_SIGNAL``),
-writing to ``dump-<pid>`` in the session directory, and then imports the
-``sitecustomize`` it shadows, if any. The watchdog sends that signal only to processes
+writing to ``dump-<pid>`` in the session directory (where the watchdog's socket,
+``PYTEST_ELASTIC_TIMER``, lies), and then imports the ``sitecustomize`` it shadows, if
+any. The watchdog sends that signal only to processes
 whose ``SigCgt`` mask (``/proc/<pid>/status``) shows the signal caught, so a process
 without the handler is never hit by a signal whose default action would end it.
 
@@ -46,7 +47,9 @@ def file_identity(file: str | int) -> list[int] | None:
     return [st.st_dev, st.st_ino]
 
 
-DIRECTORY = "startup"
+# The directory the plugin puts first on PYTHONPATH: the sessions' sitecustomize.py,
+# in the installed package (pythonpath/sitecustomize.py says why there).
+PYTHONPATH_DIRECTORY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pythonpath")
 
 
 def session_dump_signal() -> int:
@@ -58,82 +61,6 @@ def session_dump_signal() -> int:
 
 def dump_path(directory: str, pid: int) -> str:
     return os.path.join(directory, f"dump-{pid}")
-
-
-SITECUSTOMIZE = """\
-# Written by pytest-elastic-timer for the processes of one pytest session: each Python
-# process dumps its thread stacks into the session directory on a signal, so that the
-# session's watchdog can report where it is stuck, and a process that imports
-# torch.distributed records its collectives. Then the shadowed sitecustomize runs.
-def _pytest_elastic_timer_startup():
-    import os
-    import sys
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    signum = os.environ.get("PYTEST_ELASTIC_TIMER_DUMP_SIGNAL", "")
-    if signum.isdigit() and os.path.isdir(here):
-        import faulthandler
-        import signal
-
-        def register():
-            num = int(signum)
-            done = getattr(sys, "_pytest_elastic_timer_dump", None)
-            if done is not None and done[2] == os.getpid():
-                return  # a nested session's copy of this file ran first: it wins
-            if signal.getsignal(num) not in (signal.SIG_DFL, None):
-                return  # never replace a handler someone else installed
-            path = os.path.join(os.path.dirname(here), "dump-%d" % os.getpid())
-            # A bare descriptor, not a file object: no text encoding to name, and
-            # nothing for the interpreter to warn about at exit.
-            try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-            except OSError:
-                return
-            try:
-                faulthandler.register(num, file=fd, all_threads=True, chain=False)
-            except (OSError, ValueError, RuntimeError):
-                os.close(fd)
-                return
-            if done is not None:  # the parent's descriptor, inherited through fork
-                try:
-                    os.close(done[1])
-                except OSError:
-                    pass
-            sys._pytest_elastic_timer_dump = (num, fd, os.getpid(), path)
-
-        register()
-        os.register_at_fork(after_in_child=register)
-    # Record torch.distributed's ops from the moment torch.distributed is imported.
-    hook = __TORCH_HOOK__
-    if os.environ.get("PYTEST_ELASTIC_TIMER_COLLECTIVES", "1") != "0" and os.path.isfile(hook):
-        try:
-            import importlib.util
-
-            spec = importlib.util.spec_from_file_location("_pytest_elastic_timer_torch_hook", hook)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            module.watch()
-        except Exception:
-            pass
-    # Let the sitecustomize this file shadows run as it would have: take only this
-    # directory off sys.path (it is not there without the plugin), so whatever that
-    # file adds to sys.path or the import system stays.
-    me = sys.modules.pop("sitecustomize", None)
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
-    sys.path_importer_cache.pop(here, None)
-    try:
-        import sitecustomize  # noqa: F401
-    except ImportError as exc:
-        if exc.name != "sitecustomize":
-            raise  # as site.py does: an import error inside that file is shown
-    finally:
-        if me is not None:
-            sys.modules.setdefault("sitecustomize", me)
-
-
-_pytest_elastic_timer_startup()
-del _pytest_elastic_timer_startup
-"""
 
 
 class DumpRegistration:
@@ -191,14 +118,11 @@ def unregister_dump(registration: DumpRegistration) -> None:
     os.close(registration.fd)
 
 
-def install(session_dir: str) -> str:
-    """Write the session's ``sitecustomize.py``; returns the directory for PYTHONPATH."""
-    directory = os.path.join(session_dir, DIRECTORY)
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    hook = os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch_hook.py")
-    with open(os.path.join(directory, "sitecustomize.py"), "w", encoding="utf-8") as f:
-        f.write(SITECUSTOMIZE.replace("__TORCH_HOOK__", repr(hook)))
-    return directory
+def python_path(current: str | None) -> str:
+    """``PYTHONPATH`` for the processes of a session: :data:`PYTHONPATH_DIRECTORY` first,
+    then ``current`` (without another copy of that directory: a nested session's)."""
+    rest = [p for p in (current or "").split(os.pathsep) if p and p != PYTHONPATH_DIRECTORY]
+    return os.pathsep.join([PYTHONPATH_DIRECTORY, *rest])
 
 
 def catches(pid: int, signum: int) -> bool:

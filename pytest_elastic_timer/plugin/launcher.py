@@ -307,11 +307,6 @@ class HostWatchdog:
     def records_path(self) -> str:
         return os.path.join(self.directory, "records.jsonl")
 
-    @property
-    def startup(self) -> str:
-        """The session's start-up directory on this host (for PYTHONPATH)."""
-        return os.path.join(self.directory, startup.DIRECTORY)
-
 
 def join_host(
     token: str,
@@ -345,7 +340,6 @@ def join_host(
             return HostWatchdog(directory, hostlink.Link(directory, worker, gateway_fds))
         except (OSError, wire.BadMessage):
             pass  # nobody started it yet (or it is ending): start one
-        startup.install(directory)
         _spawn_host_watchdog(
             directory, identity.hostname, grace, scale, kill_after, dump_signal, timeout
         )

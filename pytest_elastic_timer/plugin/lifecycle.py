@@ -64,9 +64,7 @@ def start_watchdog(config: pytest.Config, state: SessionState) -> None:
         )
         return
     state.watchdog = handle
-    python_path = os.pathsep.join(
-        p for p in (startup.install(handle.directory), os.environ.get("PYTHONPATH")) if p
-    )
+    python_path = startup.python_path(os.environ.get("PYTHONPATH"))
     for name, value in (
         (client.ENV_ADDRESS, handle.address),
         (client.ENV_SCALE, repr(settings.scale)),

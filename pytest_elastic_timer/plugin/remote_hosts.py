@@ -232,7 +232,7 @@ def join(config: pytest.Config, controller: Any) -> bool:
         )
         os.environ.pop(client.ENV_ADDRESS, None)  # the controller's: unreachable here
         return True
-    python_path = os.pathsep.join(p for p in (host.startup, os.environ.get("PYTHONPATH")) if p)
+    python_path = startup.python_path(os.environ.get("PYTHONPATH"))
     for name, value in (
         (client.ENV_ADDRESS, host.address),
         (client.ENV_SCALE, repr(scale)),

@@ -66,14 +66,12 @@ def session_env(address: str, directory: str) -> dict[str, str]:
     # that runs this suite (its sitecustomize would take the stack-dump signal over, the
     # bug tests/test_plugin.py::test_nested_session_dumps_stacks pins).
     outer = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and not _startup_dir(p)]
-    env["PYTHONPATH"] = os.pathsep.join([startup.install(directory), PACKAGE_PARENT, *outer])
+    env["PYTHONPATH"] = os.pathsep.join([startup.PYTHONPATH_DIRECTORY, PACKAGE_PARENT, *outer])
     return env
 
 
 def _startup_dir(path: str) -> bool:
-    return os.path.basename(path) == startup.DIRECTORY and os.path.basename(
-        os.path.dirname(path)
-    ).startswith("pytest-elastic-timer-")
+    return path == startup.PYTHONPATH_DIRECTORY
 
 
 class Dog:

@@ -51,7 +51,7 @@ def top_level(monkeypatch: pytest.MonkeyPatch) -> None:
     the bug tests/test_plugin.py::test_nested_session_dumps_stacks pins)."""
     monkeypatch.delenv(startup.ENV_DUMP_SIGNAL, raising=False)
     paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
-    kept = [p for p in paths if p and os.path.basename(p) != startup.DIRECTORY]
+    kept = [p for p in paths if p and p != startup.PYTHONPATH_DIRECTORY]
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(kept))
 
 
