@@ -456,8 +456,7 @@ class ProcessState:
             standby.join(5.0)
         if self.standby_waker is not None:
             self.standby_waker.close()
-        if self.sentinel is not None:
-            self.sentinel.stop()
+        sentinel = self.sentinel.stop() if self.sentinel is not None else None
         if self.trace is not None:
             self.flush_trace()
             atexit.unregister(self.flush_trace)
@@ -471,7 +470,8 @@ class ProcessState:
         ):
             signal.signal(self.interrupt_sig, self.previous_handler)
             self.previous_handler = None
-        if standby is None or not standby.is_alive():
+        helpers = [t for t in (standby, sentinel) if t is not None]
+        if not any(t.is_alive() for t in helpers):  # none of them reads the table now
             # The mapping holds a descriptor of the table's file: both go now, not
             # whenever the last reference to this state happens to be collected.
             self.table.close()
@@ -834,9 +834,14 @@ class Sentinel:
         with self.cond:
             self.cond.notify()
 
-    def stop(self) -> None:
+    def stop(self) -> threading.Thread:
+        """Stop the thread and wait for it (briefly); the thread, which may still run
+        if this is that very thread, or it did not end in time."""
         self.stopped = True
         self.wake()
+        if self.thread is not threading.current_thread():
+            self.thread.join(5.0)
+        return self.thread
 
     def _run(self) -> None:
         floats = self.table.floats
