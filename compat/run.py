@@ -49,6 +49,34 @@ PLUGINS = {
     "pytest-timeout": Plugin("pytest-timeout==2.4.0", ("test_pytest_timeout.py",), ("pexpect",)),
     "pytest-xdist": Plugin("pytest-xdist==3.8.0", ("testing",), ("filelock",)),
     "pytest-asyncio": Plugin("pytest-asyncio==1.5.0", ("tests",), ("hypothesis",)),
+    # Coverage of subprocesses and xdist workers, which start through the same
+    # interpreter start-up as the plugin's sitecustomize.
+    "pytest-cov": Plugin(
+        "pytest-cov==7.1.0",
+        ("tests",),
+        ("coverage[toml]", "process-tests", "virtualenv"),
+    ),
+    # anyio's pytest plugin, and its tests that start child Python processes.
+    "anyio": Plugin(
+        "anyio==4.16.0",
+        (
+            "tests/test_pytest_plugin.py",
+            "tests/test_subprocesses.py",
+            "tests/test_to_process.py",
+            "tests/test_signals.py",
+        ),
+        (
+            "trio>=0.32.0",
+            "blockbuster>=1.5.29",
+            "coverage[toml]>=7",
+            "hypothesis>=4.18.2",
+            "pytest-mock>=3.14",
+            "pytest-timeout>=2.4.0",
+            "trustme>=1.0.0",
+            "truststore>=0.9.1",
+            "uvloop>=0.22.1",
+        ),
+    ),
     # pytest's own suite (its "dev" extra, without coverage): thousands of pytester
     # sessions, in-process and in subprocesses. Two workers keep it to minutes.
     "pytest": Plugin(
