@@ -33,7 +33,7 @@ OPTIONS = (
     ("--elastic-timer-report", "elastic_timer_report", "report", "PATH"),
     ("--elastic-timer-trace", "elastic_timer_trace", "trace", "PATH"),
     ("--expires-session", "expires_session", "session", "SECONDS"),
-    ("--elastic-timer-leaks", "elastic_timer_leaks", "leaks", "kill|warn|off"),
+    ("--elastic-timer-leaks", "elastic_timer_leaks", "leaks", "MODE"),
     ("--elastic-timer-slow", "elastic_timer_slow", "slow", "FRACTION"),
 )
 MARKER = (
