@@ -38,6 +38,8 @@ from helpers import (
     wait_gone,
 )
 
+from pytest_elastic_timer.core import startup
+
 TORCH_TIMEOUT = 300  # an inner session of several torch rank pairs on a loaded machine
 TORCH_BUDGET = 400
 
@@ -222,7 +224,7 @@ def inner_env() -> dict[str, str]:
     kept = [
         p
         for p in env.get("PYTHONPATH", "").split(os.pathsep)
-        if p and not os.path.exists(os.path.join(p, "sitecustomize.py"))
+        if p and p != startup.PYTHONPATH_DIRECTORY
     ]
     env["PYTHONPATH"] = os.pathsep.join(kept)
     return env

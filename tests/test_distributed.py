@@ -186,22 +186,13 @@ def not_an_xdist_worker(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PYTEST_XDIST_TESTRUNUID", raising=False)
 
 
-def _is_session_startup_dir(path: str) -> bool:
-    """Whether ``path`` holds the start-up hook a pytest-elastic-timer session wrote."""
-    try:
-        with open(os.path.join(path, "sitecustomize.py"), encoding="utf-8") as f:
-            return "Written by pytest-elastic-timer" in f.read(200)
-    except OSError:
-        return False
-
-
 @pytest.fixture(autouse=True)
 def top_level_pythonpath(monkeypatch: pytest.MonkeyPatch) -> None:
     """Start inner sessions as from a user's shell: without the start-up hook of the
     session running this suite on PYTHONPATH (see
     test_nested_session_child_stack_in_failure_sections for what it does there)."""
     entries = os.environ.get("PYTHONPATH", "").split(os.pathsep)
-    kept = [p for p in entries if p and not _is_session_startup_dir(p)]
+    kept = [p for p in entries if p and p != startup.PYTHONPATH_DIRECTORY]
     if kept:
         monkeypatch.setenv("PYTHONPATH", os.pathsep.join(kept))
     else:
