@@ -1685,3 +1685,117 @@ def test_a_zombie_of_an_earlier_test_is_not_in_a_records_children(
     record = session.record("test_hangs_beside_a_child::call")
     listed = [c["pid"] for c in record["children"]]
     assert live in listed and zombie not in listed, record["children"]
+
+
+# -- a session outside the main thread -------------------------------------------------
+# An xdist worker that execnet's socket server runs in a thread of its own (its main
+# thread was still busy with the previous remote call), or a pytest an IDE runs in a
+# thread: no signal handler can be installed there.
+IN_A_THREAD = """
+import sys
+import threading
+
+import pytest
+
+codes = []
+thread = threading.Thread(target=lambda: codes.append(pytest.main(sys.argv[1:])))
+thread.start()
+thread.join()
+sys.exit(codes[0])
+"""
+OUTSIDE_MAIN_THREAD = """
+import threading
+import time
+
+import pytest
+
+
+@pytest.mark.expires(1)
+def test_busy():
+    assert threading.current_thread() is not threading.main_thread()
+    while True:
+        pass
+
+
+@pytest.mark.expires(1)
+def test_polling():
+    while True:
+        time.sleep(0.05)
+
+
+def test_after():
+    pass
+
+
+@pytest.mark.expires(1)
+def test_blocked():
+    time.sleep(60)
+"""
+
+
+def test_a_session_outside_the_main_thread_is_interrupted_by_a_thread_of_its_own(
+    pytester: pytest.Pytester,
+) -> None:
+    """Python code gets its ScopeExpired from a thread of the package (no handler can be
+    installed); a call blocked in C gets the grace, then the watchdog ends pytest."""
+    pytester.makepyfile(in_a_thread=IN_A_THREAD, test_threaded=OUTSIDE_MAIN_THREAD)
+    report = pytester.path / REPORT_NAME
+    with top_level_environment():
+        result = pytester.run(
+            sys.executable,
+            "in_a_thread.py",
+            *LEAN,
+            "--elastic-timer-grace=1",
+            f"--elastic-timer-report={report}",
+            "test_threaded.py",
+            timeout=60,
+        )
+    header = next(HEADER.match(line) for line in result.outlines if HEADER.match(line))
+    assert header is not None
+    wait_gone(int(header.group(1)), 5.0)  # it writes the report once pytest is gone
+    text = "\n".join(result.outlines)
+    assert result.ret == -signal.SIGTERM or result.ret == 128 + signal.SIGTERM, text
+    # Two tests failed by their ScopeExpired, the next one passed, the last one hung.
+    assert "test_threaded.py TT." in text
+    expired = {r["scope"]: r for r in json.loads(report.read_text())["expired"]}
+    assert expired["test_busy::call"]["action"] == "interrupted"
+    assert expired["test_polling::call"]["action"] == "interrupted"
+    blocked = expired["test_blocked::call"]
+    # Not at the deadline (as without an interrupt to wait for), after the grace.
+    assert blocked["action"] == "terminated"
+    assert blocked["elapsed"] >= 1.9, blocked
+
+
+def test_scopes_outside_the_main_thread_expire_without_a_watchdog(
+    pytester: pytest.Pytester,
+) -> None:
+    """The sentinel, which otherwise signals the main thread, raises in the scope's
+    thread itself where the process has no interrupt signal."""
+    pytester.makepyfile(
+        script="""
+        import os
+        import threading
+        import time
+
+        import pytest_elastic_timer as et
+
+        os.environ.pop("PYTEST_ELASTIC_TIMER", None)
+        caught = []
+
+        def step():
+            try:
+                with et.expires(after=0.3, scope="step"):
+                    while True:
+                        time.sleep(0.01)
+            except et.ScopeExpired as exc:
+                caught.append(exc)
+
+        thread = threading.Thread(target=step)
+        thread.start()
+        thread.join(30)
+        print("caught", [(e.scope, e.action, type(e).__name__) for e in caught])
+        """
+    )
+    result = pytester.run(sys.executable, "script.py", timeout=60)
+    assert result.ret == 0, result.stderr.str()
+    assert "caught [('step', 'interrupted', 'ScopeExpired')]" in result.stdout.str()

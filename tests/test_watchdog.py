@@ -248,14 +248,20 @@ def test_bad_messages_are_dropped_and_counted(dog: Watchdog, client: Client, dat
 
 
 def test_a_process_outside_the_session_is_refused() -> None:
+    """Refused, and told why: its hello (unread by the watchdog) does not turn the
+    answer into a reset connection, so the process can say why it enforces in-process."""
     stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         root = proctree.ProcessId.of(stranger.pid)
         assert root is not None
         with serving(root, grace=GRACE) as dog, RawClient(dog.address) as raw:
+            raw.send(wire.encode("hello", pid=os.getpid(), table="/nowhere", dump=""))
             dog.run_once(max_wait=0)
             assert dog.dropped == 1
             assert dog.connections.peers == {}
+            raw.sock.settimeout(3.0)
+            op, fields = wire.decode(raw.sock.recv(wire.MAX_MESSAGE))
+            assert (op, fields["error"]) == ("refused", "not a process of this session")
             assert raw.closed_by_peer()
     finally:
         stranger.kill()

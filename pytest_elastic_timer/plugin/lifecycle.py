@@ -190,12 +190,15 @@ def watchdog_lost(item: pytest.Item) -> None:
     state = item.config.stash[SESSION]
     process = scopes.process_state()
     pid = state.watchdog.pid if state.watchdog else process.watchdog_pid
-    # No answer to the hello ever came: the watchdog ended before it served anyone.
-    how = "died" if process.welcomed else "did not start, or ended,"
+    if process.refused:
+        what = f"the session's watchdog refused this process ({process.refused})"
+    elif process.welcomed:
+        what = f"the watchdog (pid {pid}) died"
+    else:  # no answer to the hello ever came: it ended before it served anyone
+        what = f"the watchdog (pid {pid}) did not start, or ended,"
     state.lost_watchdog = (
-        f"the watchdog (pid {pid}) {how} before "
-        f"{item.nodeid}; scopes are enforced in-process from then on (no stack dumps, "
-        "no termination of hung processes)"
+        f"{what} before {item.nodeid}; scopes are enforced in-process from then on "
+        "(no stack dumps, no termination of hung processes)"
     )
     reporter = item.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:

@@ -6,7 +6,9 @@ that every child process inherits it. The client has no thread and never polls: 
 writes scopes into its shared table and sends a message only when the watchdog has to
 wake earlier than it already promised to. Without a watchdog (plain ``python``, or the
 watchdog went away) an in-process sentinel thread enforces the same table, with the
-weaker guarantees documented in ``docs/design.md``.
+weaker guarantees documented in ``docs/design.md``. A process that has no interrupt
+signal (its first scope was entered outside its main thread, where no signal handler
+can be installed) interrupts itself with such a thread, beside its watchdog.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ WELCOME_TIMEOUT = 30.0
 # connection is full; beyond this many, the oldest are dropped (and the watchdog still
 # finds what their scopes' slots say).
 UNSENT_LIMIT = 10_000
+# How often a thread that interrupts its process beside the watchdog looks at the table
+# while the watchdog's promise has passed and is not renewed yet.
+PROMISE_RECHECK = 0.05
 
 SignalHandler = Callable[[int, FrameType | None], Any]
 # Where a scope is entered, as ProcessState.lookup_entry finds it: (code or explicit
@@ -168,6 +173,7 @@ class ProcessState:
         # (a request, its pid, a look whether it is still there): connecting never
         # waits for the watchdog, which may still be starting.
         self.welcomed = False
+        self.refused = ""  # why the watchdog refused this process, if it did
         # The process that started the watchdog does not wait for its answer: until it
         # comes, a thread stands by to enforce scopes in-process should it never come.
         self.welcome_in_background = False
@@ -209,6 +215,9 @@ class ProcessState:
         self.trace_flushed = 0.0
         self.alive_checked = 0.0
         self.on_interrupt = on_interrupt
+        # Beside the watchdog, in a process without an interrupt signal: the thread
+        # that raises its ScopeExpired instead (see Sentinel).
+        self.interrupter: Sentinel | None = None
         self.previous_handler: signal.Handlers | SignalHandler | int | None = None
         self.dump: startup.DumpRegistration | None = None
         self.interrupt_sig, self.dump_sig = self._install_signals(on_interrupt)
@@ -216,7 +225,10 @@ class ProcessState:
         self.armed = self.table.floats  # hot path: armed[tbl.H_ARMED]
         self.nodeid_sid = self.sid(self.nodeid)
         self.table.words[tbl.H_INTERRUPT_SIG] = self.interrupt_sig
+        self.table.words[tbl.H_INTERRUPTS_ITSELF] = int(not self.interrupt_sig)
         self.table.words[tbl.H_DUMP_SIG] = self.dump_sig
+        if not self.interrupt_sig and self.sentinel is None:
+            self.interrupter = Sentinel(self, self.table, beside_watchdog=True)
         self.table.words[tbl.H_MAIN_TID] = threading.main_thread().ident or 0
         self.label_given = False  # set_label() was called: a rank keeps that label
         self.set_label(label_from_env())
@@ -224,13 +236,13 @@ class ProcessState:
 
     # -- set-up ---------------------------------------------------------------------
     def _install_signals(self, on_interrupt: SignalHandler) -> tuple[int, int]:
-        if threading.current_thread() is not threading.main_thread():
-            # signal.signal() works only in the main thread; such a process gets no soft
-            # interrupt, the watchdog goes straight to dump and terminate after grace.
-            return 0, 0
         preset = startup.preset_dump()
         free = [s for s in _free_signals(3, on_interrupt) if not preset or s != preset[0]]
-        interrupt_sig = free[0] if free else 0
+        # signal.signal() works only in the main thread: a process whose first scope is
+        # entered in another one has no interrupt signal, and a thread of the package
+        # delivers its interrupts (faulthandler, for the dumps, registers anywhere).
+        in_main_thread = threading.current_thread() is threading.main_thread()
+        interrupt_sig = free[0] if free and in_main_thread else 0
         if preset:
             dump_sig = preset[0]
         elif len(free) > 1:
@@ -329,6 +341,7 @@ class ProcessState:
             self._lose(f"the watchdog said {exc}")
             return
         if op != "welcome":
+            self.refused = str(fields.get("error", "")) or op
             self._lose(f"the watchdog answered {op!r}: {fields.get('error', '')}")
             return
         self.welcomed = True
@@ -407,7 +420,7 @@ class ProcessState:
                 # the promise), so the thread also wakes at the promise.
                 table.floats[tbl.H_ARMED] = armed = 0.0
             earliest, due = table.due_slots(now)
-            interrupt_due(table, due, fired, self.interrupt_sig)
+            interrupt_due(table, due, fired, self.interrupt)
             wait = max(0.0, min(give_up, earliest, armed or give_up) - now)
             ready = _select([watched, woken], [], [], wait)[0]
             if woken in ready:
@@ -457,6 +470,7 @@ class ProcessState:
         if self.standby_waker is not None:
             self.standby_waker.close()
         sentinel = self.sentinel.stop() if self.sentinel is not None else None
+        interrupter = self.interrupter.stop() if self.interrupter is not None else None
         if self.trace is not None:
             self.flush_trace()
             atexit.unregister(self.flush_trace)
@@ -470,7 +484,7 @@ class ProcessState:
         ):
             signal.signal(self.interrupt_sig, self.previous_handler)
             self.previous_handler = None
-        helpers = [t for t in (standby, sentinel) if t is not None]
+        helpers = [t for t in (standby, sentinel, interrupter) if t is not None]
         if not any(t.is_alive() for t in helpers):  # none of them reads the table now
             # The mapping holds a descriptor of the table's file: both go now, not
             # whenever the last reference to this state happens to be collected.
@@ -681,6 +695,15 @@ class ProcessState:
         return index
 
     # -- messages -------------------------------------------------------------------
+    def interrupt(self) -> None:
+        """Have ScopeExpired raised wherever a scope of this process is due: its
+        interrupt signal to the main thread, whose handler raises it; without one, the
+        handler's work done right here, in the calling thread of the package."""
+        if self.interrupt_sig:
+            interrupt_main_thread(self.interrupt_sig)
+        else:
+            self.on_interrupt(0, None)
+
     def notify(self, deadline: float) -> None:
         """Tell the enforcer to wake at ``deadline``, earlier than it promised."""
         self.armed[tbl.H_ARMED] = deadline
@@ -695,6 +718,8 @@ class ProcessState:
                 self._wake_standby()  # a deadline it may not know yet
             else:
                 self.welcome()
+        if self.interrupter is not None:
+            self.interrupter.wake()
         if self.sentinel is not None:
             self.sentinel.wake()
         elif self.welcomed:
@@ -792,6 +817,9 @@ class ProcessState:
             self._close_socket()
             self.sentinel = Sentinel(self, self.table)
             self.sentinel.wake()
+            if self.interrupter is not None:  # the sentinel interrupts from now on
+                self.interrupter.stop()
+                self.interrupter = None
         self._wake_standby()  # it ends: the sentinel enforces from now on
 
     def request(self, op: str, **fields: Any) -> dict[str, Any]:
@@ -812,22 +840,31 @@ class ProcessState:
 
 
 class Sentinel:
-    """In-process enforcement where no watchdog is reachable: one daemon thread.
+    """In-process enforcement: one daemon thread that wakes at the earliest deadline of
+    the table and interrupts this process (:meth:`ProcessState.interrupt`).
 
-    It wakes at the earliest deadline of the table and sends this process its own
-    interrupt signal. It cannot stop a C call that holds the GIL, nor kill anything:
-    that takes the watchdog.
+    Where no watchdog is reachable, it is the enforcer, and keeps the promise in the
+    table's header (``H_ARMED``) that scopes read to know when to wake it. It cannot
+    stop a C call that holds the GIL, nor kill anything: that takes the watchdog.
+
+    ``beside_watchdog``: the process has a watchdog but no interrupt signal for it to
+    send (its first scope was entered outside the main thread, where no handler can be
+    installed). The thread then only interrupts; the promise is the watchdog's, and the
+    thread reads it: a scope entered later wakes it only if it is due earlier than that
+    promise, so the thread wakes at the promise too.
     """
 
-    def __init__(self, state: ProcessState, table: tbl.ScopeTable) -> None:
+    def __init__(
+        self, state: ProcessState, table: tbl.ScopeTable, *, beside_watchdog: bool = False
+    ) -> None:
         self.state = state
         self.table = table
+        self.beside_watchdog = beside_watchdog
         self.cond = threading.Condition()
         self.fired: set[int] = set()
         self.stopped = False
-        self.thread = threading.Thread(
-            target=self._run, name=f"{THREAD_PREFIX}sentinel", daemon=True
-        )
+        name = "interrupter" if beside_watchdog else "sentinel"
+        self.thread = threading.Thread(target=self._run, name=f"{THREAD_PREFIX}{name}", daemon=True)
         start_helper(self.thread)
 
     def wake(self) -> None:
@@ -848,27 +885,45 @@ class Sentinel:
         while not self.stopped:
             with self.cond:
                 now = _monotonic()
-                floats[tbl.H_ARMED] = 0.0
+                if not self.beside_watchdog:
+                    floats[tbl.H_ARMED] = 0.0  # until this look is done, every entry notifies
                 earliest, due = self.table.due_slots(now)
-                interrupt_due(self.table, due, self.fired, self.state.interrupt_sig)
-                floats[tbl.H_ARMED] = earliest
-                timeout = None if earliest == float("inf") else max(0.0, earliest - now)
+                interrupt_due(self.table, due, self.fired, self.state.interrupt)
+                if not self.beside_watchdog:
+                    floats[tbl.H_ARMED] = wake_at = earliest
+                else:
+                    wake_at = min(earliest, self._watchdog_promise(floats[tbl.H_ARMED], now))
+                timeout = None if wake_at == float("inf") else max(0.0, wake_at - now)
                 self.cond.wait(timeout)
+
+    @staticmethod
+    def _watchdog_promise(armed: float, now: float) -> float:
+        """When to look again for scopes entered without a word to this thread."""
+        if not armed:
+            return float("inf")  # none: every scope entered tells us (notify)
+        if armed > now:
+            return armed
+        # Passed: the watchdog is renewing it, or is late or gone (then the process
+        # finds out when it next talks to it). Look again in a moment until then.
+        return now + PROMISE_RECHECK
 
 
 def interrupt_due(
-    table: tbl.ScopeTable, due: list[tbl.SlotView], fired: set[int], signum: int
+    table: tbl.ScopeTable,
+    due: list[tbl.SlotView],
+    fired: set[int],
+    interrupt: Callable[[], None],
 ) -> None:
-    """Send this process ``signum`` (its interrupt) for each slot of ``due`` not
-    interrupted yet (``fired`` keeps their serials), unless a debugger holds the
-    table's deadlines: in-process enforcement, by the sentinel or the standby thread
-    (the table may be one the process state does not hold yet)."""
-    if not signum or table.floats[tbl.H_SUSPENDED]:
+    """Call ``interrupt`` (the process's, :meth:`ProcessState.interrupt`) for each slot
+    of ``due`` not interrupted yet (``fired`` keeps their serials), unless a debugger
+    holds the table's deadlines: in-process enforcement, by the sentinel or the standby
+    thread (the table may be one the process state does not hold yet)."""
+    if table.floats[tbl.H_SUSPENDED]:
         return
     for slot in due:
         if slot.serial not in fired:
             fired.add(slot.serial)
-            interrupt_main_thread(signum)
+            interrupt()
 
 
 def scale_from_env() -> float:

@@ -2,7 +2,8 @@
 
 The enforcer (the watchdog, or the in-process sentinel) sends the owner its interrupt
 signal at a deadline. The signal handler (in ``scopes``, which applies the nesting
-rules to choose the scope) delivers :class:`ScopeExpired` with the means here:
+rules to choose the scope) delivers :class:`ScopeExpired` with the means here; in a
+process that has no interrupt signal a thread of the package does the handler's work:
 
 - in the main thread it is raised by the handler itself;
 - in another thread through ``PyThreadState_SetAsyncExc`` (:func:`raise_in_thread`);
@@ -105,6 +106,14 @@ class _AsyncScopeExpired(ScopeExpired):
             details.site,
             details.label,
         )
+
+    def __reduce__(self) -> Any:  # unpickled as what it stands for
+        return (ScopeExpired, ScopeExpired.__reduce__(self)[1])
+
+
+# Tracebacks and reports name it as what it is to the user.
+_AsyncScopeExpired.__module__ = "pytest_elastic_timer"
+_AsyncScopeExpired.__name__ = _AsyncScopeExpired.__qualname__ = "ScopeExpired"
 
 
 def raise_in_thread(tid: int, exc: ScopeExpired) -> None:
@@ -298,8 +307,8 @@ def in_critical_section(frame: FrameType | None) -> bool:
 
 
 def retry_soon(state: client.ProcessState) -> None:
-    """Send this process's main thread its interrupt signal again in a moment."""
-    timer = threading.Timer(0.002, client.interrupt_main_thread, (state.interrupt_sig,))
+    """Interrupt this process again in a moment."""
+    timer = threading.Timer(0.002, state.interrupt)
     timer.daemon = True
     client.start_helper(timer)
 

@@ -778,7 +778,12 @@ def _tell_expired(state: client.ProcessState, scope: TimerRequest, now: float, s
 
 
 def _on_interrupt(signum: int, frame: FrameType | None) -> None:
-    """Signal handler: raise ScopeExpired in every thread whose scope has expired."""
+    """Signal handler: raise ScopeExpired in every thread whose scope has expired.
+
+    A process without an interrupt signal has a thread of the package call it instead
+    (``signum`` 0, no frame): that thread enters no scopes, so every exception goes to
+    its thread as an asynchronous one.
+    """
     __tracebackhide__ = True
     state = _state
     if state is None or state.table.floats[tbl.H_SUSPENDED]:
@@ -787,8 +792,8 @@ def _on_interrupt(signum: int, frame: FrameType | None) -> None:
     if delivery.under_debugger():
         _postpone_expired(now)
         return
-    main = threading.main_thread().ident
-    if main in _notifying:
+    here = threading.get_ident()  # the main thread, in the signal handler
+    if here in _notifying:
         delivery.retry_soon(state)
         return
     frames = sys._current_frames()
@@ -800,7 +805,7 @@ def _on_interrupt(signum: int, frame: FrameType | None) -> None:
         for scope in candidates:
             if scope._delivered or scope._cancelled or scope._deadline > now + _EARLY:
                 continue
-            where = frame if tid == main else frames.get(tid)
+            where = frame if tid == here else frames.get(tid)
             if delivery.in_critical_section(where):
                 delivery.retry_soon(state)
                 break
@@ -814,7 +819,7 @@ def _on_interrupt(signum: int, frame: FrameType | None) -> None:
                 _tell_expired(state, scope, now, delivery.task_stacks([scope._task]))
                 break
             exc = _report(scope, now, "interrupted", where)
-            if tid == main:
+            if tid == here:
                 raise_here = scope.on_expire(exc) if scope.on_expire else exc
             else:
                 delivery.raise_in_thread(tid, exc)

@@ -41,7 +41,9 @@ class Connections:
     ) -> None:
         self.address = address
         self.loop = loop
-        self.vouch = vouch  # the peer's pid, or None for a peer to refuse
+        # The peer's pid; None for a peer dropped without a word; raises
+        # wire.BadMessage for one that is told why it is refused.
+        self.vouch = vouch
         self.dispatch = dispatch  # (conn, peer pid, op, fields) of every message
         self.drop = drop
         self.closed = closed  # (conn, peer pid) of every connection that ended
@@ -73,9 +75,21 @@ class Connections:
                 conn, _ = self.listener.accept()
             except BlockingIOError:
                 return
-            pid = self.vouch(conn)
-            if pid is None:
-                # Another user, or a process of this user outside the session: refused.
+            try:
+                pid = self.vouch(conn)
+            except wire.BadMessage as exc:
+                # A process of this user outside the session (an execnet socket server
+                # started on its own, say): told why, so that it can say why it
+                # enforces its scopes in-process. Its hello is read first: closing a
+                # Unix socket with unread data resets the connection, and the peer
+                # would read that instead of the answer.
+                self.drop()
+                self.send(conn, "refused", error=str(exc))
+                with contextlib.suppress(OSError):
+                    conn.recv(wire.MAX_MESSAGE, socket.MSG_DONTWAIT)
+                conn.close()
+                continue
+            if pid is None:  # another user: not a word
                 self.drop()
                 conn.close()
                 continue

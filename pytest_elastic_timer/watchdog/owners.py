@@ -157,14 +157,17 @@ class Owners(Mapping[int, Owner]):
 
     def peer(self, conn: socket.socket) -> int | None:
         """The pid of the process at the other end of ``conn``, if it may talk to the
-        watchdog: the same user, and a process of this session."""
+        watchdog: the same user, and a process of this session. None for another user;
+        raises :class:`Refused` for a process of this user outside the session."""
         if not hasattr(socket, "SO_PEERCRED"):  # not Linux: see docs/platforms.md
             return None
         pid, uid, _ = _UCRED.unpack(
             conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
         )
-        if uid != os.getuid() or not self.in_session(pid):
-            return None
+        if uid != os.getuid():
+            return None  # not a word to another user
+        if not self.in_session(pid):
+            raise Refused("not a process of this session")
         return int(pid)
 
     def admit(self, conn: socket.socket, peer_pid: int, fields: dict[str, Any]) -> Owner:

@@ -115,17 +115,22 @@ class Scanner:
             self.ladder.record(owner, expiry, "interrupted", stack, [], final=False)
         elif serial not in owner.finished:
             # An expiry the owner noticed first (at scope exit, or before our scan):
-            # record it without interrupting again.
+            # record it without interrupting again. A scope still open (the exception
+            # raised in another thread waits for its thread to run Python again) is
+            # watched like any other: ended with its owner if it is still open when its
+            # grace is over.
+            now = self.loop.clock()
+            slot = next((s for s in owner.table.due_slots(now)[1] if s.serial == serial), None)
             expiry = Expiry(
-                slot=-1,
+                slot=-1 if slot is None else slot.slot_index,
                 serial=serial,
                 path=str(fields.get("scope", "")),
                 site=str(fields.get("site", "")),
                 nodeid=str(fields.get("nodeid", "")),
-                start=0.0,
-                deadline=self.loop.clock(),
-                grace=self.grace,
-                thread_id=0,
+                start=0.0 if slot is None else slot.start,
+                deadline=now if slot is None else slot.deadline,
+                grace=slot.grace if slot is not None and slot.grace > 0 else self.grace,
+                thread_id=0 if slot is None else slot.thread_id,
                 report=fields,
             )
             owner.expiries[serial] = expiry

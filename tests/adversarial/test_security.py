@@ -184,6 +184,7 @@ def test_hello_for_another_process_or_a_foreign_table_is_refused(dog: Dog, tmp_p
 STRANGER_CLIENT = """
 import json, os, socket, sys, time
 import pytest_elastic_timer as et
+from pytest_elastic_timer.core import wire
 from pytest_elastic_timer.scope import scopes
 
 result = {"pid": os.getpid()}
@@ -191,9 +192,11 @@ scopes.process_state()  # connects and says hello; the answer is read when neede
 raw = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 raw.connect(os.environ["PYTEST_ELASTIC_TIMER"])
 raw.settimeout(5)
-try:
+try:  # told why, then closed
+    op, fields = wire.decode(raw.recv(wire.MAX_MESSAGE))
+    result["raw_refused"] = f"{op}: {fields.get('error')}"
     result["raw_closed"] = raw.recv(1) == b""
-except OSError as exc:
+except (OSError, wire.BadMessage) as exc:
     result["raw_closed"] = repr(exc)
 try:  # its own scope is enforced in-process only: the watchdog does not know it
     with et.expires(0.3, scope="stranger"):
@@ -219,6 +222,7 @@ def test_a_process_outside_the_session_cannot_register(dog: Dog, tmp_path: Path)
         assert result == {
             "pid": stranger.pid,
             "attached": False,
+            "raw_refused": "refused: not a process of this session",
             "raw_closed": True,
             "expired": True,
         }
