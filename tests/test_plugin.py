@@ -1704,6 +1704,8 @@ thread.join()
 sys.exit(codes[0])
 """
 OUTSIDE_MAIN_THREAD = """
+import subprocess
+import sys
 import threading
 import time
 
@@ -1713,8 +1715,13 @@ import pytest
 @pytest.mark.expires(1)
 def test_busy():
     assert threading.current_thread() is not threading.main_thread()
-    while True:
-        pass
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        while True:
+            pass
+    finally:
+        child.kill()
+        child.wait()
 
 
 @pytest.mark.expires(1)
@@ -1758,12 +1765,40 @@ def test_a_session_outside_the_main_thread_is_interrupted_by_a_thread_of_its_own
     # Two tests failed by their ScopeExpired, the next one passed, the last one hung.
     assert "test_threaded.py TT." in text
     expired = {r["scope"]: r for r in json.loads(report.read_text())["expired"]}
-    assert expired["test_busy::call"]["action"] == "interrupted"
+    busy = expired["test_busy::call"]
+    assert busy["action"] == "interrupted"
     assert expired["test_polling::call"]["action"] == "interrupted"
     blocked = expired["test_blocked::call"]
     # Not at the deadline (as without an interrupt to wait for), after the grace.
     assert blocked["action"] == "terminated"
     assert blocked["elapsed"] >= 1.9, blocked
+
+
+def test_a_session_budget_outside_the_main_thread_stops_the_session(
+    pytester: pytest.Pytester,
+) -> None:
+    """The session's budget ends pytest where it is; in a thread, where only a
+    ScopeExpired can be raised, the test fails by it and no further test starts."""
+    pytester.makepyfile(
+        in_a_thread=IN_A_THREAD,
+        test_budget="""
+        def test_long():
+            while True:
+                pass
+
+
+        def test_next():
+            pass
+        """,
+    )
+    with top_level_environment():
+        result = pytester.run(
+            sys.executable, "in_a_thread.py", *LEAN, "-rA", "--expires-session=1", timeout=60
+        )
+    text = "\n".join(result.outlines)
+    assert "TIMEOUT test_budget.py::test_long - scope 'session' expired" in text, text
+    assert "! Interrupted: scope 'session' expired" in text, text
+    result.assert_outcomes(failed=1)  # test_next never started
 
 
 def test_scopes_outside_the_main_thread_expire_without_a_watchdog(

@@ -48,9 +48,6 @@ WELCOME_TIMEOUT = 30.0
 # connection is full; beyond this many, the oldest are dropped (and the watchdog still
 # finds what their scopes' slots say).
 UNSENT_LIMIT = 10_000
-# How often a thread that interrupts its process beside the watchdog looks at the table
-# while the watchdog's promise has passed and is not renewed yet.
-PROMISE_RECHECK = 0.05
 
 SignalHandler = Callable[[int, FrameType | None], Any]
 # Where a scope is entered, as ProcessState.lookup_entry finds it: (code or explicit
@@ -222,13 +219,15 @@ class ProcessState:
         self.dump: startup.DumpRegistration | None = None
         self.interrupt_sig, self.dump_sig = self._install_signals(on_interrupt)
         self.table = self._attach()
-        self.armed = self.table.floats  # hot path: armed[tbl.H_ARMED]
+        # Hot path: armed[tbl.H_ARMED], the enforcer's promise (the table's header).
+        self.armed: Any = self.table.floats
         self.nodeid_sid = self.sid(self.nodeid)
         self.table.words[tbl.H_INTERRUPT_SIG] = self.interrupt_sig
         self.table.words[tbl.H_INTERRUPTS_ITSELF] = int(not self.interrupt_sig)
         self.table.words[tbl.H_DUMP_SIG] = self.dump_sig
         if not self.interrupt_sig and self.sentinel is None:
-            self.interrupter = Sentinel(self, self.table, beside_watchdog=True)
+            self.armed = [0.0] * (tbl.H_ARMED + 1)  # the interrupter's promise
+            self.interrupter = Sentinel(self, self.table, self.armed, name="interrupter")
         self.table.words[tbl.H_MAIN_TID] = threading.main_thread().ident or 0
         self.label_given = False  # set_label() was called: a rank keeps that label
         self.set_label(label_from_env())
@@ -260,14 +259,27 @@ class ProcessState:
             try:
                 return self._connect(self.address)
             except (OSError, wire.BadMessage, ValueError) as exc:
-                self._warn(
-                    f"cannot reach the watchdog at {self.address} ({exc}); "
-                    "enforcing scopes in-process"
-                )
+                self._read_refusal()
+                if self.refused:
+                    why = f"the watchdog refused this process ({self.refused})"
+                else:
+                    why = f"cannot reach the watchdog at {self.address} ({exc})"
+                self._warn(f"{why}; enforcing scopes in-process")
                 self._close_socket()
         table = tbl.ScopeTable.create(None)
-        self.sentinel = Sentinel(self, table)
+        self.sentinel = Sentinel(self, table, table.floats, name="sentinel")
         return table
+
+    def _read_refusal(self) -> None:
+        """A watchdog that refused this process before its hello went out (which then
+        failed) said why: ``refused`` keeps it."""
+        sock = self.sock
+        if sock is None:
+            return
+        with contextlib.suppress(OSError, wire.BadMessage):
+            op, fields = wire.decode(sock.recv(wire.MAX_MESSAGE, socket.MSG_DONTWAIT))
+            if op == "refused":
+                self.refused = str(fields.get("error", "")) or op
 
     def _connect(self, address: str) -> tbl.ScopeTable:
         directory = os.path.dirname(address)
@@ -420,7 +432,8 @@ class ProcessState:
                 # the promise), so the thread also wakes at the promise.
                 table.floats[tbl.H_ARMED] = armed = 0.0
             earliest, due = table.due_slots(now)
-            interrupt_due(table, due, fired, self.interrupt)
+            if self.interrupter is None:  # which interrupts at every deadline already
+                interrupt_due(table, due, fired, self.interrupt)
             wait = max(0.0, min(give_up, earliest, armed or give_up) - now)
             ready = _select([watched, woken], [], [], wait)[0]
             if woken in ready:
@@ -469,8 +482,9 @@ class ProcessState:
             standby.join(5.0)
         if self.standby_waker is not None:
             self.standby_waker.close()
-        sentinel = self.sentinel.stop() if self.sentinel is not None else None
-        interrupter = self.interrupter.stop() if self.interrupter is not None else None
+        with self.lose_lock:  # a _lose() under way has made its sentinel by now
+            enforcers = [e for e in (self.sentinel, self.interrupter) if e is not None]
+        stopped = [e.stop() for e in enforcers]
         if self.trace is not None:
             self.flush_trace()
             atexit.unregister(self.flush_trace)
@@ -484,7 +498,7 @@ class ProcessState:
         ):
             signal.signal(self.interrupt_sig, self.previous_handler)
             self.previous_handler = None
-        helpers = [t for t in (standby, sentinel, interrupter) if t is not None]
+        helpers = [t for t in (standby, *stopped) if t is not None]
         if not any(t.is_alive() for t in helpers):  # none of them reads the table now
             # The mapping holds a descriptor of the table's file: both go now, not
             # whenever the last reference to this state happens to be collected.
@@ -811,15 +825,16 @@ class ProcessState:
     def _lose(self, why: str) -> None:
         # Once, though the process and its standby thread may both find out.
         with self.lose_lock:
-            if self.sentinel is not None:
+            if self.sentinel is not None or self.standby_ended:  # or close() runs
                 return
             self._warn(f"lost the watchdog ({why}); enforcing scopes in-process from now on")
             self._close_socket()
-            self.sentinel = Sentinel(self, self.table)
+            if self.interrupter is not None:
+                # It goes on as the sentinel: the promise scopes read is its own.
+                self.sentinel, self.interrupter = self.interrupter, None
+            else:
+                self.sentinel = Sentinel(self, self.table, self.table.floats, name="sentinel")
             self.sentinel.wake()
-            if self.interrupter is not None:  # the sentinel interrupts from now on
-                self.interrupter.stop()
-                self.interrupter = None
         self._wake_standby()  # it ends: the sentinel enforces from now on
 
     def request(self, op: str, **fields: Any) -> dict[str, Any]:
@@ -843,69 +858,63 @@ class Sentinel:
     """In-process enforcement: one daemon thread that wakes at the earliest deadline of
     the table and interrupts this process (:meth:`ProcessState.interrupt`).
 
-    Where no watchdog is reachable, it is the enforcer, and keeps the promise in the
-    table's header (``H_ARMED``) that scopes read to know when to wake it. It cannot
-    stop a C call that holds the GIL, nor kill anything: that takes the watchdog.
+    It keeps its promise in ``promise[tbl.H_ARMED]``, which scopes read (as
+    ``ProcessState.armed``) to know when to wake it: 0 while it looks at the table
+    (every scope entered meanwhile wakes it), then the earliest deadline it found.
+    Where no watchdog is reachable, it is the enforcer, and the promise is the table's
+    own. It cannot stop a C call that holds the GIL, nor kill anything: that takes the
+    watchdog.
 
-    ``beside_watchdog``: the process has a watchdog but no interrupt signal for it to
+    Beside a watchdog, in a process that has no interrupt signal for the watchdog to
     send (its first scope was entered outside the main thread, where no handler can be
-    installed). The thread then only interrupts; the promise is the watchdog's, and the
-    thread reads it: a scope entered later wakes it only if it is due earlier than that
-    promise, so the thread wakes at the promise too.
+    installed), it is that process's interrupter, with a promise of its own: the
+    table's is the watchdog's, which learns of an expiry the interrupter delivered
+    from the owner's report.
     """
 
     def __init__(
-        self, state: ProcessState, table: tbl.ScopeTable, *, beside_watchdog: bool = False
+        self, state: ProcessState, table: tbl.ScopeTable, promise: Any, *, name: str
     ) -> None:
         self.state = state
         self.table = table
-        self.beside_watchdog = beside_watchdog
+        self.promise = promise
         self.cond = threading.Condition()
+        self.woken = False
         self.fired: set[int] = set()
         self.stopped = False
-        name = "interrupter" if beside_watchdog else "sentinel"
         self.thread = threading.Thread(target=self._run, name=f"{THREAD_PREFIX}{name}", daemon=True)
         start_helper(self.thread)
 
     def wake(self) -> None:
         with self.cond:
+            self.woken = True
             self.cond.notify()
 
-    def stop(self) -> threading.Thread:
-        """Stop the thread and wait for it (briefly); the thread, which may still run
-        if this is that very thread, or it did not end in time."""
+    def stop(self, *, wait: bool = True) -> threading.Thread:
+        """Stop the thread and, with ``wait``, wait for it (briefly); the thread, which
+        may still run if this is that very thread, or it did not end in time."""
         self.stopped = True
         self.wake()
-        if self.thread is not threading.current_thread():
+        if wait and self.thread is not threading.current_thread():
             self.thread.join(5.0)
         return self.thread
 
     def _run(self) -> None:
-        floats = self.table.floats
+        promise = self.promise
         while not self.stopped:
             with self.cond:
-                now = _monotonic()
-                if not self.beside_watchdog:
-                    floats[tbl.H_ARMED] = 0.0  # until this look is done, every entry notifies
-                earliest, due = self.table.due_slots(now)
-                interrupt_due(self.table, due, self.fired, self.state.interrupt)
-                if not self.beside_watchdog:
-                    floats[tbl.H_ARMED] = wake_at = earliest
-                else:
-                    wake_at = min(earliest, self._watchdog_promise(floats[tbl.H_ARMED], now))
-                timeout = None if wake_at == float("inf") else max(0.0, wake_at - now)
-                self.cond.wait(timeout)
-
-    @staticmethod
-    def _watchdog_promise(armed: float, now: float) -> float:
-        """When to look again for scopes entered without a word to this thread."""
-        if not armed:
-            return float("inf")  # none: every scope entered tells us (notify)
-        if armed > now:
-            return armed
-        # Passed: the watchdog is renewing it, or is late or gone (then the process
-        # finds out when it next talks to it). Look again in a moment until then.
-        return now + PROMISE_RECHECK
+                self.woken = False
+            now = _monotonic()
+            promise[tbl.H_ARMED] = 0.0  # until this look is done, every entry wakes us
+            earliest, due = self.table.due_slots(now)
+            # Outside the lock: interrupting talks to the watchdog, and a lost watchdog
+            # stops this thread (or another) from where the wake-up is needed.
+            interrupt_due(self.table, due, self.fired, self.state.interrupt)
+            promise[tbl.H_ARMED] = earliest
+            timeout = None if earliest == float("inf") else max(0.0, earliest - now)
+            with self.cond:
+                if not self.woken and not self.stopped:
+                    self.cond.wait(timeout)
 
 
 def interrupt_due(

@@ -755,6 +755,14 @@ def _report(
 ) -> ScopeExpired:
     """The exception for ``scope``, after telling the watchdog where the owner was."""
     exc = _expired(scope, now, action)
+    _told(scope, now, frame, exc, task=task)
+    return exc
+
+
+def _told(
+    scope: TimerRequest, now: float, frame: FrameType | None, exc: ScopeExpired, *, task: Any
+) -> None:
+    """Tell the watchdog where the owner of ``scope`` was, and the expiry listeners."""
     state = scope._state or _state
     if task is None and state is not None:  # a task's is told when its cancellation is
         _tell_expired(state, scope, now, delivery.owner_stack(frame, exc))
@@ -768,7 +776,6 @@ def _report(
                 pass
     finally:
         _notifying.discard(thread)
-    return exc
 
 
 def _tell_expired(state: client.ProcessState, scope: TimerRequest, now: float, stack: str) -> None:
@@ -782,12 +789,30 @@ def _on_interrupt(signum: int, frame: FrameType | None) -> None:
 
     A process without an interrupt signal has a thread of the package call it instead
     (``signum`` 0, no frame): that thread enters no scopes, so every exception goes to
-    its thread as an asynchronous one.
+    its thread as an asynchronous one (:func:`_raise_in_thread`).
     """
     __tracebackhide__ = True
     state = _state
     if state is None or state.table.floats[tbl.H_SUSPENDED]:
         return
+    if signum:
+        _deliver_due(state, frame)
+    elif _delivering.acquire(blocking=False):
+        try:
+            _deliver_due(state, frame)
+        finally:
+            _delivering.release()
+    else:  # another thread of the package is delivering: again in a moment
+        delivery.retry_soon(state)
+
+
+# Held by the package's thread that delivers (a process without an interrupt signal):
+# the interrupter and a retry may both look, and each scope must be delivered once.
+_delivering = threading.Lock()
+
+
+def _deliver_due(state: client.ProcessState, frame: FrameType | None) -> None:
+    __tracebackhide__ = True
     now = monotonic()
     if delivery.under_debugger():
         _postpone_expired(now)
@@ -806,7 +831,7 @@ def _on_interrupt(signum: int, frame: FrameType | None) -> None:
             if scope._delivered or scope._cancelled or scope._deadline > now + _EARLY:
                 continue
             where = frame if tid == here else frames.get(tid)
-            if delivery.in_critical_section(where):
+            if delivery.in_critical_section(where) or tid in _notifying:
                 delivery.retry_soon(state)
                 break
             for inner in candidates[candidates.index(scope) :]:
@@ -818,14 +843,26 @@ def _on_interrupt(signum: int, frame: FrameType | None) -> None:
                 delivery.cancel_task(task, scope.path)
                 _tell_expired(state, scope, now, delivery.task_stacks([scope._task]))
                 break
-            exc = _report(scope, now, "interrupted", where)
             if tid == here:
+                exc = _report(scope, now, "interrupted", where)
                 raise_here = scope.on_expire(exc) if scope.on_expire else exc
             else:
-                delivery.raise_in_thread(tid, exc)
+                _raise_in_thread(tid, scope, now, where)
             break
     if raise_here is not None:
         raise raise_here
+
+
+def _raise_in_thread(tid: int, scope: TimerRequest, now: float, where: FrameType | None) -> None:
+    """Deliver the expiry of ``scope`` to thread ``tid``: the exception first, while that
+    thread is still where it was found outside the package's bookkeeping (it lands at
+    its next bytecode), the report after."""
+    exc = _expired(scope, now, "interrupted")
+    # An exception of another kind (the session's budget ends pytest) cannot be raised
+    # in another thread; its side effects (no next test) still apply.
+    replacement = scope.on_expire(exc) if scope.on_expire else exc
+    delivery.raise_in_thread(tid, replacement if isinstance(replacement, ScopeExpired) else exc)
+    _told(scope, now, where, exc, task=None)
 
 
 def _postpone_expired(now: float) -> None:
@@ -873,5 +910,6 @@ delivery.mark_critical(
     leave_test_phase,
     resume,
     _report,
+    _told,
     _ended_by_its_cancellation,
 )

@@ -58,13 +58,14 @@ class Ladder:
         self.ending_root = ending_root  # about to end pytest: report now, not after
 
     def steps(
-        self, owner: Owner, expiry: Expiry, *, interrupt: bool = True
+        self, owner: Owner, expiry: Expiry, *, interrupt: bool = True, dumps: bool | None = None
     ) -> Generator[float, None, None]:
         """The ladder of ``expiry``; without ``interrupt`` the owner was not signalled
-        (it raised by itself and said so)."""
+        (it raised by itself and said so). ``dumps``: whether the processes below the
+        owner are asked for their stacks first (by default, where it is interrupted)."""
         table = owner.table
         asked = None
-        if interrupt:
+        if interrupt if dumps is None else dumps:
             asked = self.dumper.ask_descendants(owner)
             if asked:
                 expiry.read_children = asked.children

@@ -137,7 +137,8 @@ class Scanner:
             # On disk at once: a record must not wait for the ladder's next step.
             stack = expiry.reported_stack()
             self.ladder.record(owner, expiry, "interrupted", stack, [], final=False)
-            expiry.steps = self.ladder.steps(owner, expiry, interrupt=False)
+            # Still open: the children's stacks at the expiry, as for one we interrupt.
+            expiry.steps = self.ladder.steps(owner, expiry, interrupt=False, dumps=slot is not None)
             self.advance(owner, expiry)
 
     def advance(self, owner: Owner, expiry: Expiry) -> None:
