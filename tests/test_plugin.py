@@ -1767,6 +1767,8 @@ def test_a_session_outside_the_main_thread_is_interrupted_by_a_thread_of_its_own
     expired = {r["scope"]: r for r in json.loads(report.read_text())["expired"]}
     busy = expired["test_busy::call"]
     assert busy["action"] == "interrupted"
+    # The stacks of the processes below it, taken before the interrupt, as elsewhere.
+    assert any('File "<string>", line 1' in c.get("stack", "") for c in busy["children"]), busy
     assert expired["test_polling::call"]["action"] == "interrupted"
     blocked = expired["test_blocked::call"]
     # Not at the deadline (as without an interrupt to wait for), after the grace.

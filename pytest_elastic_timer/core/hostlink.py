@@ -19,7 +19,6 @@ module imports neither pytest nor psutil.
 
 from __future__ import annotations
 
-import array
 import os
 import socket
 from typing import Any
@@ -27,26 +26,6 @@ from typing import Any
 from pytest_elastic_timer.core import unpatched, wire
 
 JOIN_SOCKET = "join.sock"
-MAX_FDS = 4  # gateway descriptors a join may carry
-
-
-def send_with_fds(sock: socket.socket, data: bytes, fds: list[int]) -> None:
-    """Send one datagram with ``fds`` attached (``SCM_RIGHTS``)."""
-    ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
-    sock.sendmsg([data], ancillary)
-
-
-def receive_with_fds(sock: socket.socket) -> tuple[bytes, list[int]]:
-    """One datagram and the descriptors attached to it (the caller owns them)."""
-    data, ancillary, _, _ = sock.recvmsg(
-        wire.MAX_MESSAGE + 1, socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
-    )
-    fds: list[int] = []
-    for level, kind, payload in ancillary:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            usable = len(payload) - len(payload) % array.array("i").itemsize
-            fds.extend(array.array("i", payload[:usable]))
-    return data, fds
 
 
 class Link:
@@ -58,7 +37,7 @@ class Link:
         try:
             unpatched.connect(self.sock, os.path.join(directory, JOIN_SOCKET))
             message = wire.encode("join", pid=unpatched.getpid(), worker=worker)
-            send_with_fds(self.sock, message, gateway_fds[:MAX_FDS])
+            wire.send_with_fds(self.sock, message, gateway_fds[: wire.MAX_FDS])
             op, fields = wire.decode(self.sock.recv(wire.MAX_MESSAGE))
         except BaseException:
             self.sock.close()

@@ -71,9 +71,6 @@ H_WORKER_SID = 10  # u64: xdist worker id
 H_MAIN_TID = 11  # u64: thread ident of the owner's main thread
 H_PHASE_SID = 12  # u64: what the owner's pytest is doing (collection, setup, call, ...)
 H_TEST_SID = 13  # u64: the test (its test_entry, or a bare nodeid) the owner runs now
-# u64: 1 when the owner raises ScopeExpired by a thread of its own (it has no interrupt
-# signal: its first scope was entered outside its main thread); its grace still counts.
-H_INTERRUPTS_ITSELF = 14
 
 # Slot flags.
 FLAG_TEST_PHASE = 1  # the scope of a test phase (setup/call/teardown), entered by the plugin

@@ -4,16 +4,20 @@ A message is one ``SOCK_SEQPACKET`` datagram holding a JSON array ``[op, {fields
 dispatched by ``op`` on the receiving side. Messages are rare (registration, a new
 earliest deadline, an interrupt's stack); scopes themselves travel through the shared
 table. Anything that does not decode to that shape is a :class:`BadMessage`, which the
-watchdog counts and drops.
+watchdog counts and drops. A datagram may carry file descriptors (``SCM_RIGHTS``):
+a worker's gateway, a process's interrupt channel.
 """
 
 from __future__ import annotations
 
+import array
 import json
 import math
+import socket
 from typing import Any
 
 MAX_MESSAGE = 256 * 1024
+MAX_FDS = 4  # descriptors one datagram may carry
 
 
 class BadMessage(ValueError):
@@ -55,3 +59,23 @@ def field(fields: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> A
     if isinstance(value, float) and not math.isfinite(value):
         raise BadMessage(f"field {name!r} must be finite, not {value!r}")
     return value
+
+
+def send_with_fds(sock: socket.socket, data: bytes, fds: list[int]) -> None:
+    """Send one datagram with ``fds`` attached (``SCM_RIGHTS``)."""
+    ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+    sock.sendmsg([data], ancillary)
+
+
+def receive_with_fds(sock: socket.socket) -> tuple[bytes, list[int]]:
+    """One datagram (up to one byte over :data:`MAX_MESSAGE`, to tell one too long) and
+    the descriptors attached to it (the caller owns them)."""
+    data, ancillary, _, _ = sock.recvmsg(
+        MAX_MESSAGE + 1, socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
+    )
+    fds: list[int] = []
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            usable = len(payload) - len(payload) % array.array("i").itemsize
+            fds.extend(array.array("i", payload[:usable]))
+    return data, fds

@@ -8,7 +8,8 @@ wake earlier than it already promised to. Without a watchdog (plain ``python``, 
 watchdog went away) an in-process sentinel thread enforces the same table, with the
 weaker guarantees documented in ``docs/design.md``. A process that has no interrupt
 signal (its first scope was entered outside its main thread, where no signal handler
-can be installed) interrupts itself with such a thread, beside its watchdog.
+can be installed) hands the watchdog an interrupt channel instead, on which a thread
+of its own waits.
 """
 
 from __future__ import annotations
@@ -212,22 +213,17 @@ class ProcessState:
         self.trace_flushed = 0.0
         self.alive_checked = 0.0
         self.on_interrupt = on_interrupt
-        # Beside the watchdog, in a process without an interrupt signal: the thread
-        # that raises its ScopeExpired instead (see Sentinel).
-        self.interrupter: Sentinel | None = None
+        # In a process without an interrupt signal, the thread that takes the
+        # watchdog's interrupts instead (see Interrupter).
+        self.interrupter: Interrupter | None = None
         self.previous_handler: signal.Handlers | SignalHandler | int | None = None
         self.dump: startup.DumpRegistration | None = None
         self.interrupt_sig, self.dump_sig = self._install_signals(on_interrupt)
         self.table = self._attach()
-        # Hot path: armed[tbl.H_ARMED], the enforcer's promise (the table's header).
-        self.armed: Any = self.table.floats
+        self.armed = self.table.floats  # hot path: armed[tbl.H_ARMED]
         self.nodeid_sid = self.sid(self.nodeid)
         self.table.words[tbl.H_INTERRUPT_SIG] = self.interrupt_sig
-        self.table.words[tbl.H_INTERRUPTS_ITSELF] = int(not self.interrupt_sig)
         self.table.words[tbl.H_DUMP_SIG] = self.dump_sig
-        if not self.interrupt_sig and self.sentinel is None:
-            self.armed = [0.0] * (tbl.H_ARMED + 1)  # the interrupter's promise
-            self.interrupter = Sentinel(self, self.table, self.armed, name="interrupter")
         self.table.words[tbl.H_MAIN_TID] = threading.main_thread().ident or 0
         self.label_given = False  # set_label() was called: a rank keeps that label
         self.set_label(label_from_env())
@@ -267,7 +263,7 @@ class ProcessState:
                 self._warn(f"{why}; enforcing scopes in-process")
                 self._close_socket()
         table = tbl.ScopeTable.create(None)
-        self.sentinel = Sentinel(self, table, table.floats, name="sentinel")
+        self.sentinel = Sentinel(self, table)
         return table
 
     def _read_refusal(self) -> None:
@@ -308,7 +304,20 @@ class ProcessState:
             # close() puts the earlier registration back.
             dump_path = os.path.join(directory, f"dump-{self.pid}-{uuid.uuid4().hex[:8]}")
             self.dump = startup.register_dump(self.dump_sig, dump_path)
-        sock.sendall(wire.encode("hello", pid=self.pid, table=path, dump=dump_path))
+        hello = wire.encode("hello", pid=self.pid, table=path, dump=dump_path)
+        if self.interrupt_sig:
+            sock.sendall(hello)
+        else:
+            # No handler for a signal: the watchdog gets the end of a channel instead.
+            mine, theirs = unpatched.socketpair()
+            try:
+                wire.send_with_fds(sock, hello, [theirs.fileno()])
+            except BaseException:
+                mine.close()
+                raise
+            finally:
+                theirs.close()
+            self.interrupter = Interrupter(self, mine)
         sock.settimeout(None)
         if os.environ.get(ENV_TRACE) == "1":
             self._start_trace(directory)
@@ -432,8 +441,7 @@ class ProcessState:
                 # the promise), so the thread also wakes at the promise.
                 table.floats[tbl.H_ARMED] = armed = 0.0
             earliest, due = table.due_slots(now)
-            if self.interrupter is None:  # which interrupts at every deadline already
-                interrupt_due(table, due, fired, self.interrupt)
+            interrupt_due(table, due, fired, self.interrupt)
             wait = max(0.0, min(give_up, earliest, armed or give_up) - now)
             ready = _select([watched, woken], [], [], wait)[0]
             if woken in ready:
@@ -483,8 +491,10 @@ class ProcessState:
         if self.standby_waker is not None:
             self.standby_waker.close()
         with self.lose_lock:  # a _lose() under way has made its sentinel by now
-            enforcers = [e for e in (self.sentinel, self.interrupter) if e is not None]
-        stopped = [e.stop() for e in enforcers]
+            sentinel = self.sentinel
+        stopped = [sentinel.stop()] if sentinel is not None else []
+        if self.interrupter is not None:
+            stopped.append(self.interrupter.stop())
         if self.trace is not None:
             self.flush_trace()
             atexit.unregister(self.flush_trace)
@@ -507,12 +517,20 @@ class ProcessState:
 
     def forget_descriptors(self) -> None:
         """In a child forked from this process: close its copies of the descriptors of
-        this state (the connection, the standby thread's), which stay open in the
-        parent; the thread itself did not come along."""
-        for sock in (self.sock, self.standby_socket, self.standby_waker, self.standby_woken):
+        this state (the connection, the standby thread's, the interrupter's channel),
+        which stay open in the parent; the threads themselves did not come along."""
+        channel = self.interrupter.channel if self.interrupter is not None else None
+        for sock in (
+            self.sock,
+            self.standby_socket,
+            self.standby_waker,
+            self.standby_woken,
+            channel,
+        ):
             if sock is not None:
                 sock.close()
         self.sock = None
+        self.interrupter = None
 
     def send_unsent_before_leaving(self) -> None:
         """Messages still waiting for the watchdog's answer (its connection was full
@@ -732,8 +750,6 @@ class ProcessState:
                 self._wake_standby()  # a deadline it may not know yet
             else:
                 self.welcome()
-        if self.interrupter is not None:
-            self.interrupter.wake()
         if self.sentinel is not None:
             self.sentinel.wake()
         elif self.welcomed:
@@ -829,11 +845,8 @@ class ProcessState:
                 return
             self._warn(f"lost the watchdog ({why}); enforcing scopes in-process from now on")
             self._close_socket()
-            if self.interrupter is not None:
-                # It goes on as the sentinel: the promise scopes read is its own.
-                self.sentinel, self.interrupter = self.interrupter, None
-            else:
-                self.sentinel = Sentinel(self, self.table, self.table.floats, name="sentinel")
+            # (An interrupter ends by itself: the watchdog's end of its channel is gone.)
+            self.sentinel = Sentinel(self, self.table)
             self.sentinel.wake()
         self._wake_standby()  # it ends: the sentinel enforces from now on
 
@@ -855,34 +868,23 @@ class ProcessState:
 
 
 class Sentinel:
-    """In-process enforcement: one daemon thread that wakes at the earliest deadline of
-    the table and interrupts this process (:meth:`ProcessState.interrupt`).
+    """In-process enforcement where no watchdog is reachable: one daemon thread.
 
-    It keeps its promise in ``promise[tbl.H_ARMED]``, which scopes read (as
-    ``ProcessState.armed``) to know when to wake it: 0 while it looks at the table
-    (every scope entered meanwhile wakes it), then the earliest deadline it found.
-    Where no watchdog is reachable, it is the enforcer, and the promise is the table's
-    own. It cannot stop a C call that holds the GIL, nor kill anything: that takes the
-    watchdog.
-
-    Beside a watchdog, in a process that has no interrupt signal for the watchdog to
-    send (its first scope was entered outside the main thread, where no handler can be
-    installed), it is that process's interrupter, with a promise of its own: the
-    table's is the watchdog's, which learns of an expiry the interrupter delivered
-    from the owner's report.
+    It wakes at the earliest deadline of the table and interrupts this process
+    (:meth:`ProcessState.interrupt`). It cannot stop a C call that holds the GIL, nor
+    kill anything: that takes the watchdog.
     """
 
-    def __init__(
-        self, state: ProcessState, table: tbl.ScopeTable, promise: Any, *, name: str
-    ) -> None:
+    def __init__(self, state: ProcessState, table: tbl.ScopeTable) -> None:
         self.state = state
         self.table = table
-        self.promise = promise
         self.cond = threading.Condition()
         self.woken = False
         self.fired: set[int] = set()
         self.stopped = False
-        self.thread = threading.Thread(target=self._run, name=f"{THREAD_PREFIX}{name}", daemon=True)
+        self.thread = threading.Thread(
+            target=self._run, name=f"{THREAD_PREFIX}sentinel", daemon=True
+        )
         start_helper(self.thread)
 
     def wake(self) -> None:
@@ -890,31 +892,75 @@ class Sentinel:
             self.woken = True
             self.cond.notify()
 
-    def stop(self, *, wait: bool = True) -> threading.Thread:
-        """Stop the thread and, with ``wait``, wait for it (briefly); the thread, which
-        may still run if this is that very thread, or it did not end in time."""
+    def stop(self) -> threading.Thread:
+        """Stop the thread and wait for it (briefly); the thread, which may still run
+        if this is that very thread, or it did not end in time."""
         self.stopped = True
         self.wake()
-        if wait and self.thread is not threading.current_thread():
+        if self.thread is not threading.current_thread():
             self.thread.join(5.0)
         return self.thread
 
     def _run(self) -> None:
-        promise = self.promise
+        floats = self.table.floats
         while not self.stopped:
             with self.cond:
                 self.woken = False
             now = _monotonic()
-            promise[tbl.H_ARMED] = 0.0  # until this look is done, every entry wakes us
+            floats[tbl.H_ARMED] = 0.0  # until this look is done, every entry wakes us
             earliest, due = self.table.due_slots(now)
-            # Outside the lock: interrupting talks to the watchdog, and a lost watchdog
-            # stops this thread (or another) from where the wake-up is needed.
+            # Outside the lock: a delivery may find the watchdog lost, whose handling
+            # wakes this thread.
             interrupt_due(self.table, due, self.fired, self.state.interrupt)
-            promise[tbl.H_ARMED] = earliest
+            floats[tbl.H_ARMED] = earliest
             timeout = None if earliest == float("inf") else max(0.0, earliest - now)
             with self.cond:
                 if not self.woken and not self.stopped:
                     self.cond.wait(timeout)
+
+
+class Interrupter:
+    """The interrupt of a process that has no interrupt signal: one daemon thread.
+
+    ``signal.signal()`` works only in the main thread, so a process whose first scope
+    is entered in another one (a pytest run in a thread; an xdist worker that
+    execnet's socket server runs in a thread of its own) has no handler for the
+    watchdog to signal. It sends the watchdog one end of a socket pair with its hello
+    instead; the watchdog writes a byte on it where its ladder would send the signal
+    (after asking the processes below for their stacks), and this thread, waiting on
+    the other end, does the handler's work (:meth:`ProcessState.interrupt`). The
+    exceptions reach their threads asynchronously: Python code gets one at its next
+    bytecode, a call blocked in C when it returns. The thread ends when the watchdog
+    closes its end (it refused the process, or went away) or at :meth:`stop`.
+    """
+
+    def __init__(self, state: ProcessState, channel: socket.socket) -> None:
+        self.state = state
+        self.channel = channel
+        self.thread = threading.Thread(
+            target=self._run, name=f"{THREAD_PREFIX}interrupter", daemon=True
+        )
+        start_helper(self.thread)
+
+    def stop(self) -> threading.Thread:
+        """End the thread and wait for it (briefly); the thread, which may still run if
+        this is that very thread, or it did not end in time."""
+        with contextlib.suppress(OSError):  # its recv returns end-of-file now
+            self.channel.shutdown(socket.SHUT_RDWR)
+        if self.thread is not threading.current_thread():
+            self.thread.join(5.0)
+        if not self.thread.is_alive():
+            self.channel.close()
+        return self.thread
+
+    def _run(self) -> None:
+        while True:
+            try:
+                if not self.channel.recv(64):
+                    return
+            except OSError:
+                return
+            self.state.interrupt()  # one look delivers every scope that is due
 
 
 def interrupt_due(

@@ -51,6 +51,9 @@ class Connections:
         # Connections being read: a handler may ask to read its own connection again
         # (the ladder looks for a report in flight), which the read going on does.
         self.reading: set[socket.socket] = set()
+        # The descriptors that came with the message being handled: a handler that
+        # keeps them takes them (take_received), the rest are closed after it.
+        self.received: list[int] = []
         if listener is None:
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             listener.bind(address)
@@ -112,7 +115,7 @@ class Connections:
         reset_seen = False
         while True:
             try:
-                data = conn.recv(wire.MAX_MESSAGE + 1)
+                data, self.received = wire.receive_with_fds(conn)
             except BlockingIOError:
                 return
             except ConnectionResetError:
@@ -134,6 +137,15 @@ class Connections:
                 self.dispatch(conn, peer_pid, op, fields)
             except BAD_MESSAGE:
                 self.drop()
+            finally:
+                for fd in self.take_received():
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+
+    def take_received(self) -> list[int]:
+        """The descriptors of the message being handled, now the caller's to close."""
+        fds, self.received = self.received, []
+        return fds
 
     def end(self, conn: socket.socket) -> None:
         """Close ``conn``, then tell :attr:`closed`."""

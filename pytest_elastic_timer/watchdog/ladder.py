@@ -70,15 +70,13 @@ class Ladder:
             if asked:
                 expiry.read_children = asked.children
                 yield from self.dumper.written(asked)
-        signum = int(table.words[tbl.H_INTERRUPT_SIG])
-        if interrupt and signum:
-            proctree.send([owner.proc], signum)
+        interruptible = owner.interruptible()
+        if interrupt:
+            owner.interrupt()
         if asked:
             yield from self.dumper.finished(asked)
-        # Without an interrupt to give the owner, or to expect from one of its own
-        # threads, there is nothing to wait for.
-        interrupted = signum or table.words[tbl.H_INTERRUPTS_ITSELF]
-        grace_end = expiry.deadline + (expiry.grace if interrupted else 0.0)
+        # Without an interrupt to give the owner, there is nothing to wait for.
+        grace_end = expiry.deadline + (expiry.grace if interruptible else 0.0)
         while True:
             if closed(owner, expiry):
                 self._closed(owner, expiry)

@@ -14,6 +14,7 @@ Processes that cannot keep a table of their own (torch file-timer clients) are
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import struct
@@ -71,6 +72,29 @@ class Owner:
     # For an adopted process that also enters scopes of its own (the pytest process, an
     # xdist worker): that registered owner, whose table says what the process is.
     registered_as: Owner | None = None
+    # Where a process without an interrupt signal (its pytest runs outside the main
+    # thread) takes its interrupt: a byte written here wakes its interrupter thread.
+    interrupt_channel: socket.socket | None = None
+
+    def interruptible(self) -> bool:
+        """Whether the owner can be given its interrupt (a signal, or its channel)."""
+        return bool(self.table.words[tbl.H_INTERRUPT_SIG]) or self.interrupt_channel is not None
+
+    def interrupt(self) -> None:
+        """Give the owner its interrupt: the signal its table names, or a byte on its
+        interrupt channel (nothing if it has neither)."""
+        signum = int(self.table.words[tbl.H_INTERRUPT_SIG])
+        if signum:
+            proctree.send([self.proc], signum)
+        elif self.interrupt_channel is not None:
+            with contextlib.suppress(OSError):  # full (it is being interrupted) or gone
+                self.interrupt_channel.send(b"\0", socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+
+    def let_go(self) -> None:
+        """Close what the watchdog holds of the owner beside its table."""
+        if self.interrupt_channel is not None:
+            self.interrupt_channel.close()
+            self.interrupt_channel = None
 
     @property
     def pid(self) -> int:
@@ -240,3 +264,4 @@ class Owners(Mapping[int, Owner]):
         """Unmap every table."""
         for owner in self.everyone():
             owner.table.close()
+            owner.let_go()

@@ -106,7 +106,7 @@ class HostRole:
         reset_seen = False
         while True:
             try:
-                data, fds = hostlink.receive_with_fds(conn)
+                data, fds = wire.receive_with_fds(conn)
             except BlockingIOError:
                 return
             except ConnectionResetError:  # see Watchdog._readable: read on once

@@ -250,6 +250,12 @@ class Watchdog:
         except Refused as exc:
             self.send(conn, "refused", error=str(exc))
             raise
+        channel = self.connections.take_received()[:1]
+        if channel:  # it has no interrupt signal: its interrupter waits on this socket
+            try:
+                owner.interrupt_channel = socket.socket(fileno=channel[0])
+            except OSError:
+                os.close(channel[0])
         previous = self.owners.get(peer_pid)
         if previous is not None and previous.conn is not None:
             self.connections.end(previous.conn)
@@ -267,6 +273,7 @@ class Watchdog:
         owner = self.owners.on(conn, peer_pid)
         if owner is not None:
             owner.conn = None
+            owner.let_go()  # its interrupter ended with its connection
             # A process that exits with scopes open (killed, os._exit) is looked at
             # once more: its table outlives it, so the record can still be made.
             self.scanner.scan(owner)
