@@ -280,6 +280,67 @@ def test_a_scope_is_interrupted_at_its_deadline_and_not_before(
     assert 5 in step.dog.owners[os.getpid()].expiries
 
 
+def _open_fds() -> dict[int, str]:
+    """This process's descriptors and what they are (the one listing them left out)."""
+    found = {}
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(FileNotFoundError):
+            found[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+    return found
+
+
+def test_an_owner_without_a_signal_is_interrupted_on_its_channel_with_its_grace(
+    step: Stepper, connection: Client
+) -> None:
+    """Its hello carries the channel; the watchdog keeps that descriptor only, writes a
+    byte on it at the deadline (no signal), and waits the grace before ending it."""
+    dog = step.dog
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    extra_read, extra_write = os.pipe()
+    before = _open_fds()
+    hello = wire.encode("hello", pid=os.getpid(), table=connection.path, dump="")
+    wire.send_with_fds(connection.sock, hello, [theirs.fileno(), extra_read])
+    step.turn()
+    connection.receive()
+    assert connection.answers[-1][0] == "welcome"
+    # Kept: the table's file and the channel; the pipe's end was closed.
+    kept = sorted(target for fd, target in _open_fds().items() if fd not in before)
+    assert kept[0] == os.path.realpath(connection.path) and kept[1].startswith("socket:"), kept
+    assert len(kept) == 2, kept
+    theirs.close()
+    os.close(extra_read)
+    os.close(extra_write)
+    mine.setblocking(False)
+    try:
+        deadline = connection.open_scope(0.1, serial=7)
+        step.elapse(0.1)
+        assert mine.recv(16) == b"\0"  # the interrupt
+        owner = dog.owners[os.getpid()]
+        assert owner.interruptible()
+        (expiry,) = owner.expiries.values()
+        assert expiry.deadline == deadline
+        step.elapse(GRACE / 2)  # within the grace: nothing else happens
+        assert dog.records == [] and owner.expiries
+        # It raised (its interrupter thread said where), then left the scope.
+        connection.send(wire.encode("expired", serial=7, scope="scope-7", stack="the stack"))
+        connection.leave_scope()
+        step.elapse(0.02)
+        (record,) = dog.records
+        assert (record.action, record.stack) == ("interrupted", "the stack")
+    finally:
+        mine.close()
+
+
+def test_descriptors_sent_with_other_messages_are_closed(step: Stepper, client: Client) -> None:
+    read_end, write_end = os.pipe()
+    before = _open_fds()
+    wire.send_with_fds(client.sock, wire.encode("wake", at=1e9), [read_end])
+    step.turn()
+    assert _open_fds() == before  # the watchdog's copy is gone again
+    os.close(read_end)
+    os.close(write_end)
+
+
 def test_the_owners_report_of_an_interrupt_is_its_record(
     step: Stepper, client: Client, interrupts: list[float]
 ) -> None:

@@ -15,6 +15,7 @@ so an overrun is never silent even if the signal arrives late.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -172,14 +173,16 @@ def _keep() -> None:
 
 def _forget_after_fork() -> None:
     # The child owns none of its parent's scopes: it starts with a table of its own.
-    global _state, _state_lock, _tls
+    global _state, _state_lock, _tls, _delivering
     if _state is not None:
         _state.forget_descriptors()  # our copies only; the parent's stay open
     _state = None
     _state_lock = threading.Lock()
+    _delivering = threading.Lock()  # a thread of the parent may have held it
     _tls = threading.local()
     _stacks.clear()
     _detached.clear()
+    _notifying.clear()
 
 
 afterfork.call_in_child(_forget_after_fork)
@@ -789,7 +792,7 @@ def _on_interrupt(signum: int, frame: FrameType | None) -> None:
 
     A process without an interrupt signal has a thread of the package call it instead
     (``signum`` 0, no frame): that thread enters no scopes, so every exception goes to
-    its thread as an asynchronous one (:func:`_raise_in_thread`).
+    its thread as an asynchronous one.
     """
     __tracebackhide__ = True
     state = _state
@@ -821,8 +824,11 @@ def _deliver_due(state: client.ProcessState, frame: FrameType | None) -> None:
     if here in _notifying:
         delivery.retry_soon(state)
         return
-    frames = sys._current_frames()
     raise_here: BaseException | None = None
+    # Reports of the exceptions sent to other threads: after every one of them is
+    # out, since a report lets other threads run, which would make where the next
+    # thread was found stale.
+    reports: list[Callable[[], None]] = []
     detached = list(_detached.values())
     for tid, stack in list(_stacks.items()):
         # Outermost first: detached scopes enclose everything the thread does.
@@ -830,7 +836,10 @@ def _deliver_due(state: client.ProcessState, frame: FrameType | None) -> None:
         for scope in candidates:
             if scope._delivered or scope._cancelled or scope._deadline > now + _EARLY:
                 continue
-            where = frame if tid == here else frames.get(tid)
+            exc = None if tid == here else _expired(scope, now, "interrupted")
+            # Looked at right before the exception goes out: an asynchronous one lands
+            # at that thread's next bytecode, which must not be in our bookkeeping.
+            where = frame if tid == here else sys._current_frames().get(tid)
             if delivery.in_critical_section(where) or tid in _notifying:
                 delivery.retry_soon(state)
                 break
@@ -843,25 +852,28 @@ def _deliver_due(state: client.ProcessState, frame: FrameType | None) -> None:
                 delivery.cancel_task(task, scope.path)
                 _tell_expired(state, scope, now, delivery.task_stacks([scope._task]))
                 break
-            if tid == here:
+            if exc is None:
                 exc = _report(scope, now, "interrupted", where)
                 raise_here = scope.on_expire(exc) if scope.on_expire else exc
             else:
-                _raise_in_thread(tid, scope, now, where)
+                delivery.raise_in_thread(tid, exc)
+                reports.append(functools.partial(_after_raised, scope, now, where, exc))
             break
+    for report in reports:
+        report()
     if raise_here is not None:
         raise raise_here
 
 
-def _raise_in_thread(tid: int, scope: TimerRequest, now: float, where: FrameType | None) -> None:
-    """Deliver the expiry of ``scope`` to thread ``tid``: the exception first, while that
-    thread is still where it was found outside the package's bookkeeping (it lands at
-    its next bytecode), the report after."""
-    exc = _expired(scope, now, "interrupted")
-    # An exception of another kind (the session's budget ends pytest) cannot be raised
-    # in another thread; its side effects (no next test) still apply.
-    replacement = scope.on_expire(exc) if scope.on_expire else exc
-    delivery.raise_in_thread(tid, replacement if isinstance(replacement, ScopeExpired) else exc)
+def _after_raised(
+    scope: TimerRequest, now: float, where: FrameType | None, exc: ScopeExpired
+) -> None:
+    """What follows an exception sent to another thread: the report, and the ending of
+    a scope that ends more than its test (the session's budget), whose exception of
+    another kind cannot be raised in another thread; its side effects (no next test)
+    still apply."""
+    if scope.on_expire is not None:
+        scope.on_expire(exc)
     _told(scope, now, where, exc, task=None)
 
 

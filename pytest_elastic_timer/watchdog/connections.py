@@ -114,8 +114,9 @@ class Connections:
     def _read(self, conn: socket.socket, peer_pid: int) -> None:
         reset_seen = False
         while True:
+            fds: list[int] = []
             try:
-                data, self.received = wire.receive_with_fds(conn)
+                data, fds = wire.receive_with_fds(conn)
             except BlockingIOError:
                 return
             except ConnectionResetError:
@@ -130,15 +131,21 @@ class Connections:
             except OSError:
                 data = b""
             if not data:
+                for fd in fds:
+                    os.close(fd)
                 self.end(conn)
                 return
+            # A handler may read another connection (the ladder looks for a report in
+            # flight): the descriptors of this message are put back after it.
+            outer, self.received = self.received, fds
             try:
                 op, fields = wire.decode(data)
                 self.dispatch(conn, peer_pid, op, fields)
             except BAD_MESSAGE:
                 self.drop()
             finally:
-                for fd in self.take_received():
+                left, self.received = self.received, outer
+                for fd in left:
                     with contextlib.suppress(OSError):
                         os.close(fd)
 

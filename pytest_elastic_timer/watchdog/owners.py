@@ -178,6 +178,7 @@ class Owners(Mapping[int, Owner]):
         owner = self.registered.get(root.pid)
         if owner is not None and owner.ident == root:
             del self.registered[root.pid]
+            owner.let_go()
 
     def peer(self, conn: socket.socket) -> int | None:
         """The pid of the process at the other end of ``conn``, if it may talk to the

@@ -250,15 +250,19 @@ class Watchdog:
         except Refused as exc:
             self.send(conn, "refused", error=str(exc))
             raise
-        channel = self.connections.take_received()[:1]
-        if channel:  # it has no interrupt signal: its interrupter waits on this socket
+        fds = self.connections.take_received()
+        for extra in fds[1:]:
+            os.close(extra)
+        if fds:  # it has no interrupt signal: its interrupter waits on this socket
             try:
-                owner.interrupt_channel = socket.socket(fileno=channel[0])
+                owner.interrupt_channel = socket.socket(fileno=fds[0])
             except OSError:
-                os.close(channel[0])
+                os.close(fds[0])
         previous = self.owners.get(peer_pid)
-        if previous is not None and previous.conn is not None:
-            self.connections.end(previous.conn)
+        if previous is not None:
+            if previous.conn is not None:
+                self.connections.end(previous.conn)
+            previous.let_go()
         self.owners.add(owner)
         worker = owner.header_text(tbl.H_WORKER_SID)
         if worker:
@@ -273,7 +277,10 @@ class Watchdog:
         owner = self.owners.on(conn, peer_pid)
         if owner is not None:
             owner.conn = None
-            owner.let_go()  # its interrupter ended with its connection
+            if not proctree.alive([owner.proc]):
+                owner.let_go()
+            # (A process still running keeps its channel: one that dropped its
+            # connection may still be interrupted there, and gets its grace.)
             # A process that exits with scopes open (killed, os._exit) is looked at
             # once more: its table outlives it, so the record can still be made.
             self.scanner.scan(owner)
