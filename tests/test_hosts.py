@@ -286,11 +286,35 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def socket_server(host: StandInHost, directory: Path) -> tuple[psutil.Process, str]:
+# execnet's socket server serving from a thread of its own: every worker it runs is
+# outside the main thread, as one is whenever the rsync before it has not let go of the
+# server's main thread yet.
+THREADED_SOCKET_SERVER = """
+import sys
+import threading
+
+from execnet.gateway_base import get_execmodel
+from execnet.script import socketserver
+
+socketserver.execmodel = get_execmodel("thread")
+listening = socketserver.bind_and_listen(sys.argv[1], socketserver.execmodel)
+thread = threading.Thread(target=socketserver.startserver, args=(listening, True))
+thread.start()
+thread.join()
+"""
+
+
+def socket_server(
+    host: StandInHost, directory: Path, *, threaded: bool = False
+) -> tuple[psutil.Process, str]:
     """execnet's socket server on ``host``; returns it and a ``--tx`` spec for it."""
     port = free_port()
+    script = SOCKET_SERVER
+    if threaded:
+        script = directory / "threaded_socket_server.py"
+        script.write_text(THREADED_SOCKET_SERVER)
     launcher = subprocess.Popen(
-        [str(host.wrapper), str(SOCKET_SERVER), f"127.0.0.1:{port}"],
+        [str(host.wrapper), str(script), f"127.0.0.1:{port}"],
         cwd=directory,
         stdout=subprocess.DEVNULL,
     )
@@ -345,6 +369,46 @@ def test_a_socket_gateway_takes_the_same_path(
         while len(host.processes()) > 1 and time.monotonic() < give_up:
             time.sleep(0.05)
         assert [p.pid for p in host.processes()] == [server.pid]
+    finally:
+        with contextlib.suppress(psutil.Error):
+            server.kill()
+
+
+def test_a_socket_worker_outside_the_main_thread_is_interrupted_on_its_host(
+    pytester: pytest.Pytester, stand_in_hosts: Callable[..., list[StandInHost]]
+) -> None:
+    """No signal handler there: the host's watchdog interrupts it on its channel, and
+    the server, which the worker runs in, serves on."""
+    (host,) = stand_in_hosts("host-a")
+    project = pytester.mkdir("project")
+    tests = textwrap.dedent(TESTS).replace("sum(range(10**10))", "pass")
+    tests = tests.replace("time.sleep(60)", "while True:\n        time.sleep(0.05)")
+    tests += (
+        "\n\ndef test_outside_the_main_thread():\n"
+        "    import threading\n"
+        "    assert threading.current_thread() is not threading.main_thread()\n"
+    )
+    (project / "test_remote.py").write_text(tests)
+    server, spec = socket_server(host, pytester.path, threaded=True)
+    try:
+        session = run(
+            pytester,
+            *XDIST,
+            "--elastic-timer-grace=10",
+            "--tx",
+            spec,
+            f"--rsyncdir={project}",
+            "-W",
+            "ignore::DeprecationWarning",
+            str(project / "test_remote.py"),
+            lean=False,
+            timeout=60,
+        )
+        session.assert_clean()
+        record = session.record("test_sleep::call")
+        assert (record["action"], record["host"]) == ("interrupted", "host-a")
+        assert session.result.parseoutcomes().get("passed") == 8
+        assert server.is_running()
     finally:
         with contextlib.suppress(psutil.Error):
             server.kill()
