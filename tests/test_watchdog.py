@@ -321,12 +321,26 @@ def test_an_owner_without_a_signal_is_interrupted_on_its_channel_with_its_grace(
         assert expiry.deadline == deadline
         step.elapse(GRACE / 2)  # within the grace: nothing else happens
         assert dog.records == [] and owner.expiries
-        # It raised (its interrupter thread said where), then left the scope.
-        connection.send(wire.encode("expired", serial=7, scope="scope-7", stack="the stack"))
+        # The exception reaches its thread before the interrupter reports it: the scope
+        # may close first. Its report is waited for.
         connection.leave_scope()
+        step.elapse(0.5)
+        assert dog.records == [] and owner.expiries
+        connection.send(wire.encode("expired", serial=7, scope="scope-7", stack="the stack"))
         step.elapse(0.02)
         (record,) = dog.records
         assert (record.action, record.stack) == ("interrupted", "the stack")
+        assert owner.expiries == {}
+        # A scope that an enclosing one's exception unwound gets no report of its own:
+        # let go after a second, with no record.
+        connection.open_scope(0.1, serial=8)
+        step.elapse(0.1)
+        assert mine.recv(16) == b"\0"
+        connection.leave_scope()
+        step.elapse(0.9)
+        assert owner.expiries
+        step.elapse(1.0)  # (the children's stacks may have taken part of the second)
+        assert owner.expiries == {} and len(dog.records) == 1
     finally:
         mine.close()
 

@@ -33,6 +33,9 @@ from pytest_elastic_timer.watchdog.recorder import Recorder
 CHECK_EVERY = 0.01  # how often a scope in its grace period is looked at
 GONE_CHECK = 0.02  # how often a signalled tree is looked at
 KILLED_PATIENCE = 2.0  # how long SIGKILLed processes may take to go
+# How long the report of an interrupt given on the owner's channel may follow the
+# scope's end: the owner sends it after the (asynchronous) exception, not before.
+REPORT_PATIENCE = 1.0
 
 
 class Ladder:
@@ -71,14 +74,24 @@ class Ladder:
                 expiry.read_children = asked.children
                 yield from self.dumper.written(asked)
         interruptible = owner.interruptible()
+        by_channel = interrupt and not table.words[tbl.H_INTERRUPT_SIG] and interruptible
         if interrupt:
             owner.interrupt()
         if asked:
             yield from self.dumper.finished(asked)
         # Without an interrupt to give the owner, there is nothing to wait for.
         grace_end = expiry.deadline + (expiry.grace if interruptible else 0.0)
+        report_due: float | None = None
         while True:
             if closed(owner, expiry):
+                if by_channel and not self._reported(owner, expiry):
+                    # Its report may be on its way yet; a scope that an enclosing
+                    # one's exception unwound has none, and is let go after a while.
+                    now = self.clock()
+                    report_due = report_due or now + REPORT_PATIENCE
+                    if now < report_due and proctree.alive([owner.proc]):
+                        yield CHECK_EVERY
+                        continue
                 self._closed(owner, expiry)
                 return
             now = self.clock()
@@ -90,6 +103,12 @@ class Ladder:
         stack = yield from self.dumper.owner(owner)
         stack = stack or expiry.reported_stack()
         yield from self._terminate(owner, expiry, stack)
+
+    def _reported(self, owner: Owner, expiry: Expiry) -> bool:
+        """Whether the owner's report of ``expiry`` is here (read if it is in flight)."""
+        if expiry.report is None and not expiry.recorded:
+            self.read_pending(owner)
+        return expiry.report is not None or expiry.recorded
 
     def _closed(self, owner: Owner, expiry: Expiry) -> None:
         self.read_pending(owner)  # its report may be in flight
