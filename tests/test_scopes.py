@@ -13,6 +13,7 @@ import math
 import os
 import pickle
 import signal
+import sys
 import threading
 import time
 import warnings
@@ -674,3 +675,24 @@ def test_an_unreachable_watchdog_leaves_no_socket_open(tmp_path: Any) -> None:
     assert (done.returncode, done.stdout) == (0, "in-process\n"), done.stderr
     assert done.stderr.count("cannot reach the watchdog") == 1, done.stderr
     assert "ResourceWarning" not in done.stderr and "Exception ignored" not in done.stderr
+
+
+def test_an_interrupt_anywhere_below_the_package_bookkeeping_waits() -> None:
+    """Starting the standby thread builds a Condition five calls below ``notify``; an
+    exception raised there was swallowed by an ``except OSError`` on its way up (a
+    ScopeExpired is a TimeoutError), and its scope stayed open for good."""
+    seen: list[bool] = []
+
+    def deep(calls: int) -> None:
+        if calls:
+            deep(calls - 1)
+        else:
+            seen.append(delivery.in_critical_section(sys._getframe()))
+
+    def bookkeeping() -> None:
+        deep(8)
+
+    delivery.mark_critical(bookkeeping)
+    bookkeeping()
+    deep(8)
+    assert seen == [True, False]

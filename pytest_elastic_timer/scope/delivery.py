@@ -290,19 +290,22 @@ _CRITICAL: set[CodeType] = set()
 
 
 def mark_critical(*functions: Callable[..., Any]) -> None:
-    """Never raise inside ``functions`` (nor up to three calls below them): they keep
-    the table and the scope stacks consistent, and an exception half-way would not."""
+    """Never raise inside ``functions``, nor in anything they call: they keep the table
+    and the scope stacks consistent, and an exception half-way would not."""
     _CRITICAL.update(f.__code__ for f in functions)
 
 
 def in_critical_section(frame: FrameType | None) -> bool:
-    """Whether ``frame`` runs in a function of :func:`mark_critical` or close below."""
-    depth = 0
-    while frame is not None and depth < 4:
+    """Whether ``frame`` runs in a function of :func:`mark_critical`, at any depth
+    below it. The whole stack is looked at: the package's own calls go deep (starting
+    its standby thread builds a Condition five calls below ``notify``), and an
+    exception raised there would be swallowed on its way up (``except OSError`` around
+    socket calls: a ScopeExpired is a TimeoutError), leaving its scope open for good.
+    None of these functions calls the user's code."""
+    while frame is not None:
         if frame.f_code in _CRITICAL:
             return True
         frame = frame.f_back
-        depth += 1
     return False
 
 
