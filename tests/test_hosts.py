@@ -26,7 +26,7 @@ from pathlib import Path
 import execnet
 import psutil
 import pytest
-from helpers import failure_block, lead, run, scope_line
+from helpers import Session, failure_block, lead, run, scope_line
 from standin_hosts import StandInHost, fake_ssh
 
 from pytest_elastic_timer.core import hostid
@@ -329,36 +329,50 @@ def socket_server(
     return server, f"socket=127.0.0.1:{port}//chdir={directory / 'remote'}"
 
 
+def socket_project(pytester: pytest.Pytester, more_tests: str = "") -> Path:
+    """A project of :data:`TESTS` (and ``more_tests``) for a socket server's worker.
+
+    execnet's socket server runs a remote call in its main thread only if the one
+    before it (the rsync) has let go of it: otherwise the worker runs in a thread of
+    its own, where a thread of the package raises the ScopeExpired, which Python code
+    gets and a call blocked in C does not. The sleep polls, so both ways end it; the C
+    loop is left out (ending the worker would end the server it runs in).
+    """
+    project = pytester.mkdir("project")
+    tests = textwrap.dedent(TESTS).replace("sum(range(10**10))", "pass")
+    tests = tests.replace("time.sleep(60)", "while True:\n        time.sleep(0.05)")
+    (project / "test_remote.py").write_text(tests + more_tests)
+    return project
+
+
+def run_through_socket_server(pytester: pytest.Pytester, spec: str, project: Path) -> Session:
+    """A session of ``project``'s tests on the socket server of ``spec``."""
+    return run(
+        pytester,
+        *XDIST,
+        # A grace no loaded machine outlasts: the sleep must end by its interrupt,
+        # since a worker ended on its host takes execnet's socket server with it and
+        # xdist then cannot replace the worker.
+        "--elastic-timer-grace=10",
+        "--tx",
+        spec,
+        f"--rsyncdir={project}",
+        "-W",
+        "ignore::DeprecationWarning",
+        str(project / "test_remote.py"),
+        lean=False,
+        timeout=60,
+    )
+
+
 def test_a_socket_gateway_takes_the_same_path(
     pytester: pytest.Pytester, stand_in_hosts: Callable[..., list[StandInHost]]
 ) -> None:
     (host,) = stand_in_hosts("host-a")
-    project = pytester.mkdir("project")
-    # execnet's socket server runs a remote call in its main thread only if the one
-    # before it (the rsync) has let go of it: otherwise the worker runs in a thread of
-    # its own, where a thread of the package raises the ScopeExpired, which Python code
-    # gets and a call blocked in C does not. The sleep polls, so both ways end it.
-    tests = textwrap.dedent(TESTS).replace("sum(range(10**10))", "pass")
-    tests = tests.replace("time.sleep(60)", "while True:\n        time.sleep(0.05)")
-    (project / "test_remote.py").write_text(tests)
+    project = socket_project(pytester)
     server, spec = socket_server(host, pytester.path)
     try:
-        session = run(
-            pytester,
-            *XDIST,
-            # A grace no loaded machine outlasts: the sleep must end by its interrupt,
-            # since a worker ended on its host takes execnet's socket server with it
-            # and xdist then cannot replace the worker.
-            "--elastic-timer-grace=10",
-            "--tx",
-            spec,
-            f"--rsyncdir={project}",
-            "-W",
-            "ignore::DeprecationWarning",
-            str(project / "test_remote.py"),
-            lean=False,
-            timeout=60,
-        )
+        session = run_through_socket_server(pytester, spec, project)
         session.assert_clean()
         record = session.record("test_sleep::call")
         assert (record["action"], record["host"]) == ("interrupted", "host-a")
@@ -380,30 +394,15 @@ def test_a_socket_worker_outside_the_main_thread_is_interrupted_on_its_host(
     """No signal handler there: the host's watchdog interrupts it on its channel, and
     the server, which the worker runs in, serves on."""
     (host,) = stand_in_hosts("host-a")
-    project = pytester.mkdir("project")
-    tests = textwrap.dedent(TESTS).replace("sum(range(10**10))", "pass")
-    tests = tests.replace("time.sleep(60)", "while True:\n        time.sleep(0.05)")
-    tests += (
+    project = socket_project(
+        pytester,
         "\n\ndef test_outside_the_main_thread():\n"
         "    import threading\n"
-        "    assert threading.current_thread() is not threading.main_thread()\n"
+        "    assert threading.current_thread() is not threading.main_thread()\n",
     )
-    (project / "test_remote.py").write_text(tests)
     server, spec = socket_server(host, pytester.path, threaded=True)
     try:
-        session = run(
-            pytester,
-            *XDIST,
-            "--elastic-timer-grace=10",
-            "--tx",
-            spec,
-            f"--rsyncdir={project}",
-            "-W",
-            "ignore::DeprecationWarning",
-            str(project / "test_remote.py"),
-            lean=False,
-            timeout=60,
-        )
+        session = run_through_socket_server(pytester, spec, project)
         session.assert_clean()
         record = session.record("test_sleep::call")
         assert (record["action"], record["host"]) == ("interrupted", "host-a")
