@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bdb
 import sys
+import threading
 import time
 
 import pytest
@@ -28,6 +29,32 @@ def test_debugger_trace_function_postpones_an_expired_scope() -> None:
     finally:
         sys.settrace(None)
     assert scope.deadline - start >= 1.0  # the budget was given again
+
+
+def test_a_debugger_in_another_thread_postpones_that_threads_scope() -> None:
+    # The interrupt reaches the main thread (waiting in join), which is not debugged:
+    # the scope's own thread is, and its frames say so.
+    outcome: dict[str, object] = {}
+
+    def step_through() -> None:
+        tracer = _Tracer()
+        tracer.set_trace()
+        try:
+            start = time.monotonic()
+            with et.expires(0.3, "stepping-in-thread") as scope:
+                time.sleep(0.8)
+            outcome["given"] = scope.deadline - start
+        except et.ScopeExpired as exc:
+            outcome["expired"] = exc
+        finally:
+            sys.settrace(None)
+
+    thread = threading.Thread(target=step_through)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert "expired" not in outcome, outcome
+    assert isinstance(outcome["given"], float) and outcome["given"] >= 1.0
 
 
 def test_without_debugger_the_same_scope_expires() -> None:

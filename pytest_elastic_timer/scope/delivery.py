@@ -12,7 +12,8 @@ process that has no interrupt signal a thread of the package does the handler's 
   wherever it happens to be;
 - not at all while the process is in the scope machinery's own bookkeeping
   (:func:`in_critical_section`: tried again a moment later), or while a debugger steps
-  through it (:func:`under_debugger`: the deadlines move instead).
+  through it or through the scope's thread (:func:`under_debugger`, :func:`debugged`:
+  the deadlines move instead).
 
 Each delivery tells the watchdog where the owner was (:func:`tell_expired`). This
 module knows nothing of scopes' nesting: it takes plain values.
@@ -329,8 +330,24 @@ def under_debugger() -> bool:
     """Whether a debugger's trace function runs in this thread (coverage's does not
     count: it is a C tracer from its own module)."""
     trace = sys.gettrace()
-    if trace is None:
-        return False
+    return trace is not None and _is_debugger(trace)
+
+
+def debugged(frame: FrameType | None) -> bool:
+    """Whether a debugger steps through the thread whose innermost frame is ``frame``.
+
+    Another thread's trace function cannot be read, but a debugger marks the frames it
+    traces (``f_trace``): a thread stopped at its prompt is deep in the debugger's own
+    calls, below the user's frame where it stopped."""
+    while frame is not None:
+        trace = frame.f_trace
+        if trace is not None and _is_debugger(trace):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _is_debugger(trace: Callable[..., Any]) -> bool:
     owner = getattr(trace, "__self__", trace)
     bdb = sys.modules.get("bdb")
     if bdb is not None and isinstance(owner, bdb.Bdb):  # pdb and every Bdb subclass

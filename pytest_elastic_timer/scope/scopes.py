@@ -843,6 +843,9 @@ def _deliver_due(state: client.ProcessState, frame: FrameType | None) -> None:
             if delivery.in_critical_section(where) or tid in _notifying:
                 delivery.retry_soon(state)
                 break
+            if tid != here and delivery.debugged(where):
+                _postpone_expired(now, candidates)
+                break
             for inner in candidates[candidates.index(scope) :]:
                 inner._delivered = True  # the exception unwinds through them
             task = scope._task
@@ -877,11 +880,14 @@ def _after_raised(
     _told(scope, now, where, exc, task=None)
 
 
-def _postpone_expired(now: float) -> None:
-    """Someone is stepping through this process: expired scopes get their budget
-    again (at least a second) instead of an exception in the debugger's face."""
-    open_scopes = [s for stack in list(_stacks.values()) for s in stack]
-    for scope in open_scopes + list(_detached.values()):
+def _postpone_expired(now: float, scopes: list[TimerRequest] | None = None) -> None:
+    """Someone is stepping through this process (or through the thread of ``scopes``):
+    expired scopes get their budget again (at least a second) instead of an exception
+    in the debugger's face."""
+    if scopes is None:
+        scopes = [s for stack in list(_stacks.values()) for s in stack]
+        scopes += list(_detached.values())
+    for scope in scopes:
         if not scope._cancelled and scope._deadline <= now + _EARLY and scope.active:
             scope._set_deadline(now + max(1.0, scope._deadline - scope._start))
 
