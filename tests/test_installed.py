@@ -339,18 +339,22 @@ def test_coverage_of_subprocesses_leaves_the_start_up_file_out(
 # (from the conftest, before any test): each call made with a frame of the package on
 # the stack is written to $PATCHED_CALLS, then the real function runs.
 PATCHING_CONFTEST = """
+import builtins
+import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 PACKAGE = os.sep + "pytest_elastic_timer" + os.sep
 _getpid = os.getpid
+_open = open
 
 
-def _from_the_package(direct):
-    frame = sys._getframe(2)
+def _from_the_package(direct, depth):
+    frame = sys._getframe(depth)
     while frame is not None:
         if PACKAGE in frame.f_code.co_filename:
             return f"{frame.f_code.co_filename}:{frame.f_lineno}"
@@ -360,13 +364,13 @@ def _from_the_package(direct):
     return None
 
 
-def _counting(name, real, direct=False):
+def _counting(name, real, direct=False, depth=2):
     # direct: only the package's own calls count, not those of what it calls (the
     # standard library reads the pid for its own bookkeeping: tempfile, say).
     def stand_in(*args, **kwargs):
-        where = _from_the_package(direct)
+        where = _from_the_package(direct, depth)
         if where is not None:
-            with open(os.environ["PATCHED_CALLS"], "a", encoding="utf-8") as f:
+            with _open(os.environ["PATCHED_CALLS"], "a", encoding="utf-8") as f:
                 f.write(f"{_getpid()} {name} from {where}\\\\n")
         return real(*args, **kwargs)
 
@@ -415,6 +419,29 @@ _Socket = socket.socket
 _Socket.connect = _counting("socket.socket.connect", _Socket.connect)
 socket.socket = _CountingSocket
 socket.socketpair = _counting("socket.socketpair", socket.socketpair)
+
+# What a test does that forbids file access or threads, or fakes JSON (direct: the
+# standard library's own calls through these names do not count).
+builtins.open = _counting("open", open, direct=True)
+json.dumps = _counting("json.dumps", json.dumps, direct=True)
+json.loads = _counting("json.loads", json.loads, direct=True)
+threading.get_ident = _counting("threading.get_ident", threading.get_ident, direct=True)
+
+
+class _CountingThread(threading.Thread):
+    def __init__(self, *args, **kwargs):
+        _counting("threading.Thread", lambda: None, direct=True, depth=3)()
+        super().__init__(*args, **kwargs)
+
+
+class _CountingTimer(threading.Timer):
+    def __init__(self, *args, **kwargs):
+        _counting("threading.Timer", lambda: None, direct=True, depth=3)()
+        super().__init__(*args, **kwargs)
+
+
+threading.Thread = _CountingThread
+threading.Timer = _CountingTimer
 """
 
 PATCHED_SUITE = '''
@@ -448,6 +475,12 @@ def test_scopes_and_an_expiry():
                 pass
 
 
+@pytest.mark.expires(1)
+def test_fails_by_its_budget():
+    while True:
+        pass
+
+
 def test_leaves_a_process_the_plugin_ends():
     subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
 
@@ -472,9 +505,11 @@ def test_nothing_goes_through_names_a_test_may_patch(
     """time.sleep, time.time, time.monotonic (also where a module of the package holds
     them, as freezegun replaces them there), os.kill, os.getpid, subprocess's functions, and
     socket.socket, its connect and socket.socketpair (as pytest-socket replaces them),
-    replaced for a whole session (scopes, an expiry, a leftover process the plugin ends,
-    a nested session that starts and stops its own watchdog, xdist), are never called
-    by the plugin in a test's process."""
+    open, json.dumps and json.loads, threading.Thread, threading.Timer and
+    threading.get_ident, replaced for a whole session (scopes, an expiry caught and one
+    that fails its test, a leftover process the plugin ends, a nested session that
+    starts and stops its own watchdog, xdist), are never called by the plugin in a
+    test's process."""
     calls = pytester.path / "calls.txt"
     monkeypatch.setenv("PATCHED_CALLS", str(calls))
     pytester.makeconftest(PATCHING_CONFTEST)
@@ -489,7 +524,8 @@ def test_nothing_goes_through_names_a_test_may_patch(
         "--elastic-timer-leaks=kill",
         *workers,
     )
-    result.assert_outcomes(passed=4, warnings=1)
+    result.assert_outcomes(passed=4, failed=1, warnings=1)
+    result.stdout.fnmatch_lines(["*scope 'test_fails_by_its_budget::call' expired after*"])
     assert not calls.exists(), calls.read_text(encoding="utf-8")
 
 

@@ -330,3 +330,41 @@ def test_a_doctest_that_expires_leads_with_the_scope_line(pytester: pytest.Pytes
     title = next(i for i, s in enumerate(lines) if "[doctest] mod.f" in s)
     assert lines[title + 1].startswith("scope 'mod.f::call' expired after"), lines[title + 1]
     assert "TIMEOUT mod.py::mod.f" in session.stdout
+
+
+def test_a_failure_to_describe_an_expiry_leaves_the_report_as_it_is(
+    pytester: pytest.Pytester,
+) -> None:
+    """Whatever goes wrong while the plugin adds its details to a failed report, the
+    test's own report stands, with a section saying so: never an INTERNALERROR, and the
+    next test runs."""
+    pytester.makeconftest(
+        """
+        from pytest_elastic_timer.plugin import expiry
+
+        def _broken(item, report):
+            raise RuntimeError("records unreadable")
+
+        expiry._add_process_sections = _broken
+        """
+    )
+    pytester.makepyfile(
+        test_broken="""
+        import pytest
+
+        @pytest.mark.expires(1)
+        def test_spins():
+            while True:
+                pass
+
+        def test_after():
+            pass
+        """
+    )
+    session = run(pytester, "-p", "xdist", "-n", "1")
+    session.result.assert_outcomes(failed=1, passed=1)
+    assert session.result.ret == pytest.ExitCode.TESTS_FAILED
+    assert "INTERNALERROR" not in session.stdout
+    block = failure_block(session, "test_spins")
+    assert "scope 'test_spins::call' expired" in block
+    assert "the expiry details could not be added: RuntimeError('records unreadable')" in block

@@ -20,7 +20,7 @@ def write_text(path: str, text: str) -> None:
     os.makedirs(os.path.dirname(target), exist_ok=True)
     tmp = f"{target}.tmp{unpatched.getpid()}"
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
+        with unpatched.open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, target)
     except BaseException:

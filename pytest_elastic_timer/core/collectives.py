@@ -119,7 +119,7 @@ def process_starttime(pid: int) -> int:
     """The start time of ``pid`` in clock ticks since boot (0 if unknown): with the pid,
     it tells a process from a later one that reuses its pid."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
+        with unpatched.open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
         return 0
@@ -134,7 +134,7 @@ def process_starttime(pid: int) -> int:
 def process_alive(pid: int, starttime: int) -> bool:
     """Whether process ``pid`` that started at ``starttime`` still runs (not a zombie)."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
+        with unpatched.open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
         return False
@@ -358,7 +358,7 @@ def _text(mm: bytes | mmap.mmap, where: tuple[int, int]) -> str:
 def read_ring(path: str) -> Ring | None:
     """A snapshot of the ring at ``path`` (None for anything that is not one)."""
     try:
-        with open(path, "rb") as f:
+        with unpatched.open(path, "rb") as f:
             data = f.read(FILE_SIZE + 1)
     except OSError:
         return None

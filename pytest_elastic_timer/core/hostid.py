@@ -19,6 +19,8 @@ import socket
 import tempfile
 from typing import Any, NamedTuple
 
+from pytest_elastic_timer.core import unpatched
+
 HOST_DIR_PREFIX = "pytest-elastic-timer-host-"
 
 
@@ -60,7 +62,7 @@ class HostIdentity(NamedTuple):
 
 def _read(path: str) -> str:
     try:
-        with open(path, encoding="ascii", errors="replace") as f:
+        with unpatched.open(path, encoding="ascii", errors="replace") as f:
             return f.read().strip()
     except OSError:
         return ""

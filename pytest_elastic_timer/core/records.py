@@ -9,12 +9,11 @@ nothing from pytest.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pytest_elastic_timer.core import atomic_file, stacks
+from pytest_elastic_timer.core import atomic_file, stacks, unpatched
 
 REPORT_VERSION = 1
 ACTIONS = ("interrupted", "terminated", "killed")
@@ -104,7 +103,7 @@ def split_site(site: str) -> tuple[str, int]:
 
 
 def append_record(path: str, record: ExpiryRecord) -> None:
-    line = json.dumps(record.to_json()) + "\n"
+    line = unpatched.dumps(record.to_json()) + "\n"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
         os.write(fd, line.encode())
@@ -117,14 +116,14 @@ def read_records(path: str) -> list[ExpiryRecord]:
     """Every complete record in ``path`` (a torn last line is skipped); a later record
     of the same scope (host, pid, serial) supersedes an earlier one."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with unpatched.open(path, encoding="utf-8") as f:
             lines = f.readlines()
     except FileNotFoundError:
         return []
     found: dict[tuple[str, int, int], ExpiryRecord] = {}
     for text in lines:
         try:
-            record = ExpiryRecord.from_json(json.loads(text))
+            record = ExpiryRecord.from_json(unpatched.loads(text))
         except (ValueError, TypeError):
             continue
         key = record.key
@@ -145,7 +144,7 @@ def write_report(path: str, records: list[ExpiryRecord], session: dict[str, Any]
 
 def write_json(path: str, report: dict[str, Any]) -> None:
     """Write ``report`` to ``path`` in one step: a temporary file, then a rename."""
-    atomic_file.write_text(path, json.dumps(report, indent=2) + "\n")
+    atomic_file.write_text(path, unpatched.dumps(report, indent=2) + "\n")
 
 
 def shown_file(file: str, rootdir: str = "") -> str:

@@ -130,7 +130,7 @@ def catches(pid: int, signum: int) -> bool:
     that has exited and waits to be reaped (a zombie) still shows its handlers, but
     runs none."""
     try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        with unpatched.open(f"/proc/{pid}/status", encoding="ascii") as f:
             for line in f:
                 if line.startswith("State:") and line.split()[1] in ("Z", "X"):
                     return False
@@ -146,7 +146,7 @@ def handling(pid: int, signum: int) -> bool:
     it is while the main thread runs its handler (Linux: ShdPnd, SigPnd, SigBlk)."""
     bit = 1 << (signum - 1)
     try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        with unpatched.open(f"/proc/{pid}/status", encoding="ascii") as f:
             for line in f:
                 if line.startswith(("ShdPnd:", "SigPnd:", "SigBlk:")) and (
                     int(line.split()[1], 16) & bit

@@ -1,11 +1,13 @@
-"""The functions of ``time``, ``os``, ``select``, ``socket`` and ``subprocess`` this
-package calls in test processes, bound when the package is first imported.
+"""The functions of ``time``, ``os``, ``select``, ``socket``, ``subprocess``, ``json``,
+``threading`` and the builtin ``open`` this package calls in test processes, bound when
+the package is first imported.
 
-A test may replace ``time.sleep``, ``time.time``, ``os.kill``, ``os.getpid`` or
-``subprocess.Popen`` with a mock (to test retry delays, say), freeze the clocks
+A test may replace ``time.sleep``, ``time.time``, ``os.kill``, ``os.getpid``,
+``subprocess.Popen``, ``json.dumps``, ``threading.Thread`` or ``open`` with a mock (to
+test retry delays or a file error, say, or to forbid threads), freeze the clocks
 (freezegun), or block sockets (pytest-socket), and the plugin still works inside that
 test and inside a pytest session the test runs: entering scopes, stopping a watchdog,
-ending a leftover process, delivering an interrupt. Modules imported late (the
+ending a leftover process, delivering an interrupt, reporting an expiry. Modules imported late (the
 process-tree code, which loads psutil only where a leak is looked at) take these
 references from here, bound before any test ran.
 """
@@ -13,11 +15,14 @@ references from here, bound before any test ran.
 from __future__ import annotations
 
 import _socket
+import builtins
 import functools
+import json
 import os
 import select as _select_module
 import socket
 import subprocess
+import threading
 import time
 
 sleep = time.sleep
@@ -38,6 +43,16 @@ posix_spawn = getattr(os, "posix_spawn", None)
 waitpid = os.waitpid
 waitid = getattr(os, "waitid", None)
 pidfd_open = getattr(os, "pidfd_open", None)
+
+# Messages to the watchdog, records read back, report files written.
+open = builtins.open
+dumps = json.dumps
+loads = json.loads
+# The package's own threads (standby, sentinel, interrupter, a retried interrupt), and
+# the thread ids its scopes are kept by.
+Thread = threading.Thread
+Timer = threading.Timer
+get_ident = threading.get_ident
 
 # pytest-socket's --disable-socket replaces the class ``socket.socket`` for the length of
 # each test, and its --allow-hosts replaces ``socket.socket.connect``: the plugin's own

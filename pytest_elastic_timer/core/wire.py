@@ -11,10 +11,11 @@ a worker's gateway, a process's interrupt channel.
 from __future__ import annotations
 
 import array
-import json
 import math
 import socket
 from typing import Any
+
+from pytest_elastic_timer.core import unpatched
 
 MAX_MESSAGE = 256 * 1024
 MAX_FDS = 4  # descriptors one datagram may carry
@@ -25,7 +26,7 @@ class BadMessage(ValueError):
 
 
 def encode(op: str, /, **fields: Any) -> bytes:
-    data = json.dumps([op, fields], separators=(",", ":")).encode()
+    data = unpatched.dumps([op, fields], separators=(",", ":")).encode()
     if len(data) > MAX_MESSAGE:
         raise BadMessage(f"message {op!r} is {len(data)} bytes, over {MAX_MESSAGE}")
     return data
@@ -35,7 +36,7 @@ def decode(data: bytes) -> tuple[str, dict[str, Any]]:
     if len(data) > MAX_MESSAGE:
         raise BadMessage(f"message of {len(data)} bytes, over {MAX_MESSAGE}")
     try:
-        value = json.loads(data)
+        value = unpatched.loads(data)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         # RecursionError: b"[" * 100000 is small and nests too deep for the parser.
         raise BadMessage(f"not JSON: {type(exc).__name__}") from None

@@ -112,17 +112,28 @@ class ExpiryReports:
     ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
         report = yield
         if report.failed:
-            excinfo = call.excinfo
-            exc = _scope_expired_in(excinfo.value) if excinfo is not None else None
-            if exc is not None:
-                _lead_with_scope_line(report, exc)
-                # Its facts travel with the report (to an xdist controller).
-                _add_properties(report, _record_of(item, exc))
-            elif running.interrupted_here(item):
-                setattr(report, CAUGHT_IN, unpatched.getpid())
-            _add_process_sections(item, report)
-            _add_collective_sections(item, report)
+            try:
+                _describe_failure(item, call, report)
+            except Exception as exc:  # the test's own report stands: never an INTERNALERROR
+                report.sections.append(
+                    ("elastic-timer", f"the expiry details could not be added: {exc!r}")
+                )
         return report
+
+
+def _describe_failure(
+    item: pytest.Item, call: pytest.CallInfo[None], report: pytest.TestReport
+) -> None:
+    excinfo = call.excinfo
+    exc = _scope_expired_in(excinfo.value) if excinfo is not None else None
+    if exc is not None:
+        _lead_with_scope_line(report, exc)
+        # Its facts travel with the report (to an xdist controller).
+        _add_properties(report, _record_of(item, exc))
+    elif running.interrupted_here(item):
+        setattr(report, CAUGHT_IN, unpatched.getpid())
+    _add_process_sections(item, report)
+    _add_collective_sections(item, report)
 
 
 class FailedReports:

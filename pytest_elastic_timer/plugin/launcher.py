@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import glob
-import json
 import os
 import shutil
 import signal
@@ -108,7 +107,7 @@ class WatchdogHandle:
         end-of-file of its stdin)."""
         if self.control >= 0:
             stop = {"op": "stop", "session": session or {}, "waited": wait}
-            command = json.dumps(stop).encode() + b"\n"
+            command = unpatched.dumps(stop).encode() + b"\n"
             with contextlib.suppress(OSError):
                 os.write(self.control, command)
             os.close(self.control)
@@ -237,7 +236,7 @@ def start(
             argv = [
                 *_watchdog_argv(directory, grace, kill_after, scale),
                 "--session",
-                json.dumps(session),
+                unpatched.dumps(session),
                 "--listen-fd",
                 str(listener.fileno()),
                 "--fifo-fd",
@@ -397,7 +396,7 @@ def _spawn_host_watchdog(
         "--host-name",
         hostname,
         "--session",
-        json.dumps({"host": hostname}),
+        unpatched.dumps({"host": hostname}),
     ]
     if dump_signal:
         argv += ["--dump-signal", str(dump_signal)]

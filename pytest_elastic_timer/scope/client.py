@@ -18,7 +18,6 @@ import atexit
 import contextlib
 import inspect
 import itertools
-import json
 import os
 import signal
 import socket
@@ -387,7 +386,7 @@ class ProcessState:
             made.append(watched)
             waker, woken = unpatched.socketpair()
             made += (waker, woken)
-            standby = threading.Thread(
+            standby = unpatched.Thread(
                 target=self._await_welcome,
                 args=(watched, woken),
                 name=f"{THREAD_PREFIX}standby",
@@ -706,12 +705,15 @@ class ProcessState:
             "worker": os.environ.get("PYTEST_XDIST_WORKER", ""),
         }
         lines = [
-            json.dumps(
+            unpatched.dumps(
                 {**head, "path": p, "start": s, "end": e, "tid": t, "nodeid": n, "expired": x}
             )
             for p, s, e, t, n, x in trace
         ]
-        with contextlib.suppress(OSError), open(self.trace_path, "a", encoding="utf-8") as f:
+        with (
+            contextlib.suppress(OSError),
+            unpatched.open(self.trace_path, "a", encoding="utf-8") as f,
+        ):
             f.write("\n".join(lines) + "\n")
 
     # -- slots ----------------------------------------------------------------------
@@ -882,7 +884,7 @@ class Sentinel:
         self.woken = False
         self.fired: set[int] = set()
         self.stopped = False
-        self.thread = threading.Thread(
+        self.thread = unpatched.Thread(
             target=self._run, name=f"{THREAD_PREFIX}sentinel", daemon=True
         )
         start_helper(self.thread)
@@ -937,7 +939,7 @@ class Interrupter:
     def __init__(self, state: ProcessState, channel: socket.socket) -> None:
         self.state = state
         self.channel = channel
-        self.thread = threading.Thread(
+        self.thread = unpatched.Thread(
             target=self._run, name=f"{THREAD_PREFIX}interrupter", daemon=True
         )
         start_helper(self.thread)

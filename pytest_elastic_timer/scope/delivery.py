@@ -28,7 +28,7 @@ from collections.abc import Callable
 from types import CodeType, FrameType
 from typing import Any
 
-from pytest_elastic_timer.core import afterfork
+from pytest_elastic_timer.core import afterfork, unpatched
 from pytest_elastic_timer.core import table as tbl
 from pytest_elastic_timer.scope import client
 
@@ -97,7 +97,7 @@ class _AsyncScopeExpired(ScopeExpired):
         if args:
             super().__init__(*args)
             return
-        details = _pending.pop(threading.get_ident(), None) or ScopeExpired()
+        details = _pending.pop(unpatched.get_ident(), None) or ScopeExpired()
         super().__init__(
             details.scope,
             details.budget,
@@ -312,7 +312,7 @@ def in_critical_section(frame: FrameType | None) -> bool:
 
 def retry_soon(state: client.ProcessState) -> None:
     """Interrupt this process again in a moment."""
-    timer = threading.Timer(0.002, state.interrupt)
+    timer = unpatched.Timer(0.002, state.interrupt)
     timer.daemon = True
     client.start_helper(timer)
 

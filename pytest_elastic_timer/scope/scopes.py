@@ -102,7 +102,7 @@ _state_lock = threading.Lock()
 
 
 def _thread_stack() -> ScopeStack:
-    tid = threading.get_ident()
+    tid = unpatched.get_ident()
     stack = _tls.stack = ScopeStack(tid)
     if len(_stacks) > 256:  # forget threads that are gone
         alive = sys._current_frames().keys()
@@ -769,7 +769,7 @@ def _told(
     state = scope._state or _state
     if task is None and state is not None:  # a task's is told when its cancellation is
         _tell_expired(state, scope, now, delivery.owner_stack(frame, exc))
-    thread = threading.get_ident()
+    thread = unpatched.get_ident()
     _notifying.add(thread)
     try:
         for listener in list(expiry_listeners):
@@ -820,7 +820,7 @@ def _deliver_due(state: client.ProcessState, frame: FrameType | None) -> None:
     if delivery.under_debugger():
         _postpone_expired(now)
         return
-    here = threading.get_ident()  # the main thread, in the signal handler
+    here = unpatched.get_ident()  # the main thread, in the signal handler
     if here in _notifying:
         delivery.retry_soon(state)
         return

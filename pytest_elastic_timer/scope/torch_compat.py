@@ -17,6 +17,7 @@ import time
 from types import FrameType
 from typing import Any, cast
 
+from pytest_elastic_timer.core import unpatched
 from pytest_elastic_timer.scope.scopes import TimerRequest
 
 # Frames of these files are skipped when looking for the line that entered a scope:
@@ -58,13 +59,13 @@ class TimerClient:
         scope = TimerRequest(after, str(scope_id))
         scope.at = _caller(sys._getframe(1))
         scope.acquire()
-        key = (threading.get_ident(), str(scope_id))
+        key = (unpatched.get_ident(), str(scope_id))
         with self._lock:
             self._open.setdefault(key, []).append(scope)
 
     def release(self, scope_id: str) -> None:
         """End the latest open scope ``scope_id`` of this thread (no-op if none)."""
-        key = (threading.get_ident(), str(scope_id))
+        key = (unpatched.get_ident(), str(scope_id))
         with self._lock:
             stack = self._open.get(key)
             if not stack:

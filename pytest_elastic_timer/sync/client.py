@@ -309,7 +309,7 @@ def _traced(scope: str, start: float, expired: bool) -> None:
     """The wait as a span of the trace timeline (``--elastic-timer-trace``)."""
     state = scopes.current_state()
     if state is not None and state.trace is not None and state.pid == unpatched.getpid():
-        state.traced(scope, start, threading.get_ident(), expired)
+        state.traced(scope, start, unpatched.get_ident(), expired)
 
 
 def _check_name(name: object, what: str) -> str:

@@ -13,11 +13,12 @@ from dataclasses import dataclass
 import psutil
 
 # The leftover-process check runs this in a test's process, where a test may have
-# replaced os.kill, time.sleep or time.monotonic with a mock (psutil's own send_signal
+# replaced os.kill, time.sleep, time.monotonic or open with a mock (psutil's own send_signal
 # calls os.kill by name); this module is imported late, so the references come from
 # core.unpatched, bound when the package was imported.
 from pytest_elastic_timer.core.unpatched import kill as _kill
 from pytest_elastic_timer.core.unpatched import monotonic as _monotonic
+from pytest_elastic_timer.core.unpatched import open as _open
 from pytest_elastic_timer.core.unpatched import sleep as _sleep
 
 
@@ -81,7 +82,7 @@ def _children_pids(pid: int) -> list[int] | None:
     pids: list[int] = []
     for task in tasks:
         try:
-            with open(f"/proc/{pid}/task/{task}/children", "rb") as f:
+            with _open(f"/proc/{pid}/task/{task}/children", "rb") as f:
                 pids.extend(int(p) for p in f.read().split())
         except (OSError, ValueError):
             return None
