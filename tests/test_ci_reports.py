@@ -8,8 +8,10 @@ import json
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
+import threading
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
@@ -806,6 +808,39 @@ def test_an_output_path_that_cannot_be_written_is_said_and_leaves_nothing(
     assert sorted(p.name for p in pytester.path.iterdir() if p.name.startswith("taken")) == [
         "taken"
     ]
+
+
+@pytest.mark.parametrize("option", ["--elastic-timer-report", "--elastic-timer-trace"])
+def test_an_output_path_that_is_a_link_or_a_pipe_is_written_through(
+    pytester: pytest.Pytester, option: str
+) -> None:
+    """As a plain write does: a symbolic link's target gets the output and the link
+    stays; a named pipe (like ``/dev/null``, not a regular file) is written into, never
+    replaced by a file."""
+    pytester.makepyfile(test_ok="def test_ok():\n    pass\n")
+    target = pytester.mkdir("out") / "real.json"
+    link = pytester.path / "link.json"
+    link.symlink_to(target)
+    session = run(pytester, f"{option}={link}", report=False)
+    session.result.assert_outcomes(passed=1)
+    assert link.is_symlink() and json.loads(target.read_text(encoding="utf-8"))
+
+    pipe = pytester.path / "pipe"
+    os.mkfifo(pipe)
+    received: list[bytes] = []
+    reader = threading.Thread(target=lambda: received.append(pipe.read_bytes()), daemon=True)
+    reader.start()
+    try:
+        session = run(pytester, f"{option}={pipe}", report=False)
+        session.result.assert_outcomes(passed=1)
+        reader.join(30)
+    finally:
+        if reader.is_alive():  # nothing was written: let the reader go
+            with open(pipe, "wb"):
+                pass
+    assert stat.S_ISFIFO(os.lstat(pipe).st_mode)
+    assert received and json.loads(received[0])
+    assert not [p.name for p in pytester.path.iterdir() if ".tmp" in p.name]
 
 
 @pytest.mark.parametrize("workers", [[], ["-p", "xdist", "-n", "2"]], ids=["one", "xdist"])
