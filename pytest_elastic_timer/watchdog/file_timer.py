@@ -191,7 +191,7 @@ def _parse(line: bytes) -> tuple[int, str, float] | None:
     """(pid, scope_id, expiration_time) of a well-formed request, else None."""
     try:
         value = json.loads(line)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # b"[" * 1000 nests too deep
         return None
     if not isinstance(value, dict):
         return None

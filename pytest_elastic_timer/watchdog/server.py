@@ -300,7 +300,7 @@ class Watchdog:
             line, self._control_buffer = self._control_buffer.split(b"\n", 1)
             try:
                 command = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):
                 self.drop()
                 continue
             if isinstance(command, dict) and command.get("op") == "stop":

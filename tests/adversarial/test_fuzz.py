@@ -182,6 +182,7 @@ fifo_lines = st.one_of(
     ),
     st.builds(_fifo_request, foreign_pids, st.text(max_size=20), not_a_number),
     st.just(b"x" * 5000),  # a line longer than file_timer.MAX_LINE
+    st.just(b"[" * 4000),  # short enough, and nested too deep for the parser
 )
 
 
