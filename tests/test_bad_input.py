@@ -236,6 +236,27 @@ def test_timer_request_rejects_bad_numbers(after: float) -> None:
         et.expires(1, grace=after)
 
 
+def test_a_grace_longer_than_a_slot_holds_is_held_as_forever(pytester: pytest.Pytester) -> None:
+    """A finite grace beyond what a slot's field holds (a float32, some 3.4e38 s) is
+    as good as forever: the scope works, in code and in the marker, instead of failing
+    with an OverflowError when it is entered."""
+    with et.expires(5, grace=1e300) as scope:
+        pass
+    assert scope.grace == pytest.approx(3.4028234663852886e38)
+    pytester.makepyfile(
+        test_long="""
+        import pytest
+
+        @pytest.mark.expires(5, grace=1e39)
+        def test_long():
+            pass
+        """
+    )
+    session = run(pytester)
+    session.assert_clean()
+    session.result.assert_outcomes(passed=1)
+
+
 def test_timer_request_rejects_a_non_string_scope() -> None:
     with pytest.raises(TypeError, match="scope must be a str"):
         et.TimerRequest(1, scope=5)  # type: ignore[arg-type]

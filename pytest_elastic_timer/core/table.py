@@ -47,6 +47,9 @@ SLOT_SIZE = SLOT.size
 OPEN_SLOT = struct.Struct("<8xddQIIIfHH4xQ")
 OPEN_PHASE_SLOT = struct.Struct("<8xddQ8xIfHH4xQ")
 assert OPEN_SLOT.size == OPEN_PHASE_SLOT.size == SLOT.size
+# The largest grace a slot holds (its field is a float32): a longer one is as good as
+# forever, and is held as this.
+MAX_GRACE = 3.4028234663852886e38
 CAPACITY = 65536
 # Append-only, and every test writes its entry (about 150 bytes): 64 MiB hold some
 # 400,000 tests in one process. The file is sparse: only written pages use memory.

@@ -58,6 +58,7 @@ __all__ = [
 _modules = sys.modules
 _CO_ASYNC = client.CO_ASYNC
 _H_ARMED = tbl.H_ARMED
+_MAX_GRACE = tbl.MAX_GRACE
 _INF = math.inf
 _NUMBERS = (int, float)
 _EARLY = delivery.EARLY
@@ -237,7 +238,7 @@ class TimerRequest:
         if scope is not None and scope.__class__ is not str and not isinstance(scope, str):
             raise TypeError(f"scope must be a str, not {scope!r}")
         self.scope = scope
-        self.grace = None if grace is None else _check_budget(grace, "grace")
+        self.grace = None if grace is None else min(_check_budget(grace, "grace"), _MAX_GRACE)
         # What __enter__ and __exit__ read (see the class's defaults).
         self.flags = 0
         self.detached = False
