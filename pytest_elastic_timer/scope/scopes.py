@@ -238,7 +238,7 @@ class TimerRequest:
         if scope is not None and scope.__class__ is not str and not isinstance(scope, str):
             raise TypeError(f"scope must be a str, not {scope!r}")
         self.scope = scope
-        self.grace = None if grace is None else min(_check_budget(grace, "grace"), _MAX_GRACE)
+        self.grace = None if grace is None else min(check_seconds(grace, "grace"), _MAX_GRACE)
         # What __enter__ and __exit__ read (see the class's defaults).
         self.flags = 0
         self.detached = False
