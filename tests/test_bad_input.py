@@ -257,6 +257,14 @@ def test_a_grace_longer_than_a_slot_holds_is_held_as_forever(pytester: pytest.Py
     session.result.assert_outcomes(passed=1)
 
 
+@pytest.mark.parametrize("expiration", [float("nan"), float("inf"), float("-inf")])
+def test_the_torch_client_rejects_an_expiration_that_is_no_time(expiration: float) -> None:
+    client = et.TimerClient()
+    with pytest.raises(ValueError, match=r"expiration_time must be a finite time\.time\(\)"):
+        client.acquire("step", expiration)
+    client.release("step")  # nothing was opened: a no-op
+
+
 def test_timer_request_rejects_a_non_string_scope() -> None:
     with pytest.raises(TypeError, match="scope must be a str"):
         et.TimerRequest(1, scope=5)  # type: ignore[arg-type]

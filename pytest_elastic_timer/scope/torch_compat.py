@@ -10,6 +10,7 @@ by :func:`configure_torch`.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -55,7 +56,12 @@ class TimerClient:
         """Open scope ``scope_id`` that expires at wall-clock ``expiration_time``."""
         # torch's expires() read time.time() just before, as this does: on the same clock
         # (a frozen one, while a test freezes time), whatever the test did to it.
-        after = round(max(0.0, float(expiration_time) - time.time()), 3)
+        expiration = float(expiration_time)
+        if not math.isfinite(expiration):
+            raise ValueError(
+                f"expiration_time must be a finite time.time() value, not {expiration_time!r}"
+            )
+        after = round(max(0.0, expiration - time.time()), 3)
         scope = TimerRequest(after, str(scope_id))
         scope.at = _caller(sys._getframe(1))
         scope.acquire()
