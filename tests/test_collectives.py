@@ -270,6 +270,9 @@ def test_a_rank_that_never_reaches_all_reduce_is_missing(ranks: Any) -> None:
         "at train.py:40; rank 1 missing, last completed broadcast #2, now in serve at train.py:52"
         in line
     )
+    # Once the ranks are gone, the one that was in the op reads as such.
+    ended = col.collective_line(found, {1: STACK}, ended=True)
+    assert "(group default, 2 ranks): rank 0 was in it at train.py:40; rank 1 missing" in ended
 
 
 def waiting_start(rank: Rank) -> float:

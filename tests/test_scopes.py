@@ -74,7 +74,8 @@ def _open_in_table(*timers: et.TimerRequest) -> list[str]:
 def _closed_with(outer: et.TimerRequest, *inner: et.TimerRequest) -> str:
     """The start of the warning for ``outer`` ending while ``inner`` were still open."""
     names = ", ".join(repr(t.path) for t in inner)
-    return f"scope {outer.path!r} ended while {names} inside it were still open"
+    were = "were" if len(inner) > 1 else "was"
+    return f"scope {outer.path!r} ended while {names} inside it {were} still open"
 
 
 # -- ScopeExpired ------------------------------------------------------------------

@@ -594,7 +594,7 @@ def collective_line(
         since = "" if ended else f" {float(view.get('since', 0.0)):.1f}s"
         by_place.setdefault((since, op, where), []).append(rank)
     for (since, op, where), found in by_place.items():
-        verb = "were in it" if ended else "waiting"
+        verb = ("were in it" if len(found) > 1 else "was in it") if ended else "waiting"
         parts.append(f"{_ranks_text(sorted(found))} {verb}{since}{op}{where}")
     for rank in collective.get("missing", []):
         view = ranks.get(str(rank), {})

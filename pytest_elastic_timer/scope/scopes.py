@@ -719,9 +719,10 @@ def close_above(stack: ScopeStack, depth: int, ending: str) -> None:
             state.free.append(inner._slot)
             inner._slot = -1
     names = ", ".join(repr(s.path) for s in abandoned)
+    were, they = ("were", "they were") if len(abandoned) > 1 else ("was", "it was")
     warnings.warn(
-        f"scope {ending!r} ended while {names} inside it were still open; "
-        "they were closed with it (release every scope you acquire)",
+        f"scope {ending!r} ended while {names} inside it {were} still open; "
+        f"{they} closed with it (release every scope you acquire)",
         RuntimeWarning,
         stacklevel=_user_stacklevel(),
     )
