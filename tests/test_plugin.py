@@ -293,7 +293,7 @@ def test_scope_left_open_by_a_test_does_not_hit_later_tests(pytester: pytest.Pyt
         ("test_fixture_leaks::setup", "fixture-leaked"),
     ):
         assert (
-            f"RuntimeWarning: scope '{phase}' ended while '{phase}/{leaked}' inside it were "
+            f"RuntimeWarning: scope '{phase}' ended while '{phase}/{leaked}' inside it was "
             "still open" in summary
         ), summary
     assert "test_leak.py::test_leaks\n" in summary
