@@ -796,9 +796,10 @@ def test_an_expired_test_reads_timeout_in_red_on_every_line(
 def test_an_output_path_that_cannot_be_written_is_said_and_leaves_nothing(
     pytester: pytest.Pytester, option: str
 ) -> None:
-    """A report or trace path that is a directory: the session says it cannot write it,
-    keeps its exit status, and leaves no temporary file beside it."""
-    target = pytester.mkdir("taken")
+    """A report or trace path below a file (its directory cannot be made): the session
+    says it cannot write it, keeps its exit status, and leaves no temporary file."""
+    pytester.makefile(".txt", taken="a file")
+    target = pytester.path / "taken.txt" / "out.json"
     pytester.makepyfile(test_ok="def test_ok():\n    pass\n")
     session = run(pytester, f"{option}={target}", report=False)
     session.assert_clean()
@@ -806,8 +807,25 @@ def test_an_output_path_that_cannot_be_written_is_said_and_leaves_nothing(
     assert session.result.ret == 0
     assert f"cannot write {target}" in session.text, session.text
     assert sorted(p.name for p in pytester.path.iterdir() if p.name.startswith("taken")) == [
-        "taken"
+        "taken.txt"
     ]
+
+
+@pytest.mark.parametrize("option", ["--elastic-timer-report", "--elastic-timer-trace"])
+@pytest.mark.parametrize("workers", [[], ["-p", "xdist", "-n", "2"]], ids=["one", "xdist"])
+def test_an_output_path_that_is_a_directory_is_a_usage_error(
+    pytester: pytest.Pytester, option: str, workers: list[str]
+) -> None:
+    """Said before any test runs, naming the option and the path."""
+    target = pytester.mkdir("reports")
+    pytester.makepyfile(test_ok="def test_ok():\n    pass\n")
+    session = run(pytester, f"{option}={target}", *workers, report=False)
+    assert session.result.ret == pytest.ExitCode.USAGE_ERROR
+    assert f"{option} must be the path of a file, not a directory: '{target}'" in session.text, (
+        session.text
+    )
+    assert "INTERNALERROR" not in session.text
+    assert list(target.iterdir()) == []
 
 
 @pytest.mark.parametrize("option", ["--elastic-timer-report", "--elastic-timer-trace"])

@@ -105,6 +105,8 @@ def read_settings(config: pytest.Config) -> Settings:
         where, raw = option(config, name)
         if raw is not None and not isinstance(raw, str):  # a TOML list or table
             raise pytest.UsageError(f"{where} must be a path, not {raw!r}")
+        if raw and os.path.isdir(raw):  # said now, not after every test has run
+            raise pytest.UsageError(f"{where} must be the path of a file, not a directory: {raw!r}")
         return raw or None
 
     def choice(name: str, allowed: tuple[str, ...], default: str) -> str:
