@@ -29,15 +29,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import jsonschema
 import psutil
 import pytest
 from helpers import ENV_DUMP_SIGNAL, RawClient, pump, wait_gone, write_slot
 
+from pytest_elastic_timer.ci.reports import report_schema
 from pytest_elastic_timer.core import records, startup, wire
 from pytest_elastic_timer.core import table as tbl
 from pytest_elastic_timer.scope.client import ENV_ADDRESS
 from pytest_elastic_timer.watchdog import proctree
-from pytest_elastic_timer.watchdog.loop import ManualClock
+from pytest_elastic_timer.watchdog.loop import Loop, ManualClock
 from pytest_elastic_timer.watchdog.server import Watchdog
 
 GRACE = 30.0  # interrupt-to-dump grace of the stepped watchdog: never reached here
@@ -278,6 +280,63 @@ def test_a_scope_is_interrupted_at_its_deadline_and_not_before(
     step.elapse(1e-6)
     assert interrupts == [deadline]
     assert 5 in step.dog.owners[os.getpid()].expiries
+
+
+def _divide_by_zero() -> None:
+    print(1 / 0)
+
+
+def test_a_failing_part_of_the_watchdog_is_set_aside_and_enforcement_goes_on(
+    step: Stepper,
+    client: Client,
+    interrupts: list[float],
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    """A defect in one callback of the watchdog's loop (a reader or a timer that raises)
+    costs only that callback: it is said on stderr and in the report, a failed reader is
+    no longer watched (it is ready again at once), and a scope that expires afterwards
+    is still interrupted."""
+    dog = step.dog
+    broken, other_end = socket.socketpair()
+
+    def fail_reading(sock: socket.socket) -> None:
+        raise RecursionError("a defect")
+
+    dog.loop.add_reader(broken, fail_reading)
+    dog.loop.call_at(step.clock(), _divide_by_zero)
+    try:
+        other_end.send(b"x")
+        step.turn()
+        assert len(dog.internal_errors) == 2, dog.internal_errors
+        step.turn()  # still readable, but no longer watched: no second failure
+        assert len(dog.internal_errors) == 2
+        deadline = client.open_scope(0.1)
+        step.elapse(0.1)
+        assert interrupts == [deadline]
+    finally:
+        broken.close()
+        other_end.close()
+    err = capsys.readouterr().err
+    assert "failed in the watchdog and was set aside" in err
+    assert "RecursionError: a defect" in err and "ZeroDivisionError" in err
+    dog.report_path = str(tmp_path / "report.json")
+    dog.write_report()
+    report = json.loads((tmp_path / "report.json").read_text(encoding="utf-8"))
+    # (The stepped watchdog has none of a session's facts: only the new key is checked.)
+    session_schema = report_schema()["$defs"]["session"]["properties"]
+    jsonschema.validate(report["session"]["internal_errors"], session_schema["internal_errors"])
+    assert [e.split(": ")[-1] for e in report["session"]["internal_errors"]] == [
+        "RecursionError('a defect')",
+        "ZeroDivisionError('division by zero')",
+    ]
+
+
+def test_the_loop_without_an_error_handler_lets_errors_through() -> None:
+    loop = Loop(ManualClock())
+    loop.call_at(0.0, _divide_by_zero)
+    with pytest.raises(ZeroDivisionError):
+        loop.run_due()
 
 
 def _open_fds() -> dict[int, str]:

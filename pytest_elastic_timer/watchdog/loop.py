@@ -9,6 +9,11 @@ and runs one turn, instead of sleeping until the deadline comes.
 
 There is no polling interval: a turn sleeps in ``select()`` until the earliest timer or
 the next message, whichever comes first.
+
+With an ``on_error`` handler, a callback that fails costs only itself: a failed reader
+is no longer watched (it would be ready again at once, and fail again), a failed timer
+is gone, and the rest of the loop goes on. The handler decides what an error means; it
+re-raises what must end the loop.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 Clock = Callable[[], float]
+ErrorHandler = Callable[[Exception, str], None]  # (the error, what failed)
 LONGEST_WAIT = 3600.0  # select() refuses timeouts of about 25 days and more
 
 
@@ -43,8 +49,9 @@ class ManualClock:
 class Loop:
     """Readers, timers and a clock; :meth:`run_once` is one turn."""
 
-    def __init__(self, clock: Clock = time.monotonic) -> None:
+    def __init__(self, clock: Clock = time.monotonic, on_error: ErrorHandler | None = None) -> None:
         self.clock = clock
+        self.on_error = on_error
         self._selector = selectors.DefaultSelector()
         self._timers: list[tuple[float, int, Callable[[], None]]] = []
         self._order = itertools.count()  # equal times run in the order they were set
@@ -85,7 +92,13 @@ class Loop:
     def _run_readers(self, timeout: float | None) -> int:
         ready = self._selector.select(timeout)
         for key, _ in ready:
-            key.data(key.fileobj)
+            try:
+                key.data(key.fileobj)
+            except Exception as exc:
+                if self.on_error is None:
+                    raise
+                self.on_error(exc, f"the reader of {key.fileobj!r}")
+                self.remove_reader(key.fileobj)
         return len(ready)
 
     def run_due(self) -> None:
@@ -93,7 +106,12 @@ class Loop:
         now = self.clock()
         while self._timers and self._timers[0][0] <= now:
             _, _, callback = heapq.heappop(self._timers)
-            callback()
+            try:
+                callback()
+            except Exception as exc:
+                if self.on_error is None:
+                    raise
+                self.on_error(exc, f"the timer {getattr(callback, '__qualname__', callback)!r}")
 
     def close(self) -> None:
         """Let go of the selector (the readers themselves are their owners' to close)."""

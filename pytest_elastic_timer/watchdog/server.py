@@ -25,6 +25,7 @@ import shutil
 import socket
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -85,10 +86,11 @@ class Watchdog:
         self.session.setdefault("started", time.time())
         self.session.setdefault("host", socket.gethostname())  # what merged reports name
         self.dropped = 0
+        self.internal_errors: list[str] = []
         self.stopping = False
         self.root_died = False
         self.workers: set[str] = set()
-        self.loop = Loop(clock)
+        self.loop = Loop(clock, on_error=self._internal_error)
         self.owners = Owners(directory, root, dump_signal)
         self.recorder = Recorder(os.path.join(directory, RECORDS_NAME), clock)
         # What the ranks concerned were doing in torch.distributed, from their rings.
@@ -208,6 +210,18 @@ class Watchdog:
         except Terminated:
             self.root_died = True  # whoever ended us may end pytest too: report now
         self.finish()
+
+    def _internal_error(self, exc: Exception, what: str) -> None:
+        """A callback of the loop failed (a defect of the watchdog): said on pytest's
+        stderr and in the report, and the session's other scopes are still enforced."""
+        if isinstance(exc, Terminated):
+            raise exc
+        self.internal_errors.append(f"{what}: {exc!r}")
+        trace = "".join(traceback.format_exception(exc))
+        sys.stderr.write(
+            f"pytest-elastic-timer: {what} failed in the watchdog and was set aside;"
+            f" the other scopes are still enforced:\n{trace}"
+        )
 
     # -- messages -----------------------------------------------------------------
     def _read_pending(self, owner: Owner) -> None:
@@ -344,6 +358,8 @@ class Watchdog:
         """Write the JSON report with the session facts as they stand now."""
         self.session["ended"] = time.time()
         self.session["dropped_messages"] = self.dropped
+        if self.internal_errors:
+            self.session["internal_errors"] = list(self.internal_errors)
         # Workers name themselves in their table after the hello: read them now.
         self.workers.update(self.owners.workers())
         self.session["workers"] = sorted(self.workers)
