@@ -1836,3 +1836,61 @@ def test_scopes_outside_the_main_thread_expire_without_a_watchdog(
     result = pytester.run(sys.executable, "script.py", timeout=60)
     assert result.ret == 0, result.stderr.str()
     assert "caught [('step', 'interrupted', 'ScopeExpired')]" in result.stdout.str()
+
+
+ENDED_BEFORE_THEIR_DEADLINES = '''
+import os
+import signal
+import subprocess
+import sys
+import time
+
+HELPER = """
+import os, sys, time
+import pytest_elastic_timer as et
+
+if sys.argv[1] == "killed":
+    with et.expires(1.5, scope="killed-inside"):
+        print("in", flush=True)
+        time.sleep(60)
+else:
+    et.TimerRequest(1.5, scope="acquired-never-released").acquire()
+    print("in", flush=True)
+    os._exit(0)
+"""
+
+
+def run_helper(how, env):
+    helper = subprocess.Popen(
+        [sys.executable, "-c", HELPER, how], env=env, stdout=subprocess.PIPE, text=True
+    )
+    assert helper.stdout.readline() == "in\\n"
+    if how == "killed":
+        helper.send_signal(signal.SIGKILL)
+    helper.wait()
+    helper.stdout.close()
+    time.sleep(2.5)  # past the helper's deadline
+
+
+def test_a_helper_killed_inside_its_scope(elastic_timer):
+    run_helper("killed", elastic_timer.env)
+
+
+def test_a_helper_that_exits_with_a_scope_acquired(elastic_timer):
+    run_helper("exits", elastic_timer.env)
+'''
+
+
+@pytest.mark.parametrize("workers", [[], ["-p", "xdist", "-n", "2"]], ids=["one", "xdist"])
+def test_a_process_that_ended_before_its_deadline_expired_nothing(
+    pytester: pytest.Pytester, workers: list[str]
+) -> None:
+    """A process that ends with a scope open (killed, or gone with a scope acquired and
+    never released) before the scope's deadline: no expiry is recorded at the deadline
+    it did not live to see, and its test is not failed by one."""
+    pytester.makepyfile(test_ended=ENDED_BEFORE_THEIR_DEADLINES)
+    session = run(pytester, *workers)
+    session.assert_clean()
+    session.result.assert_outcomes(passed=2)
+    assert session.report is not None and session.report["expired"] == []
+    assert "elastic-timer: expired scopes" not in session.text

@@ -15,6 +15,7 @@ from typing import Any
 
 from pytest_elastic_timer.core import table as tbl
 from pytest_elastic_timer.core import wire
+from pytest_elastic_timer.watchdog import proctree
 from pytest_elastic_timer.watchdog.ladder import CHECK_EVERY, Ladder, closed
 from pytest_elastic_timer.watchdog.loop import Loop
 from pytest_elastic_timer.watchdog.owners import Expiry, Owner, Owners
@@ -44,10 +45,16 @@ class Scanner:
             return
         now = self.loop.clock()
         owner.next_scan = float("inf")
+        running = bool(proctree.alive([owner.proc]))
+        if running:
+            owner.seen_alive = now
+        # A process that ended (killed, os._exit, or gone with a scope acquired and never
+        # released) expired only the scopes whose deadline passed while it ran.
+        until = now if running else owner.seen_alive if owner.gone_at is None else owner.gone_at
         table = owner.table
         table.floats[tbl.H_ARMED] = 0.0  # until this scan is done, every entry notifies
         suspended = table.floats[tbl.H_SUSPENDED]
-        earliest, due = table.due_slots(now)
+        earliest, due = table.due_slots(until)
         # A thread whose scope is escalating (and still open) is not interrupted again
         # for the scopes it encloses. One whose scope has closed, while its ladder still
         # collects evidence (children's dumps), is free for its next deadline.
@@ -62,6 +69,8 @@ class Scanner:
             busy_threads.add(slot.thread_id)
             self._expire(owner, slot)
         table.floats[tbl.H_ARMED] = earliest
+        if not running:
+            return  # nothing more of it can expire
         if earliest < float("inf"):
             self.schedule_scan(owner, earliest)
         if held_back:

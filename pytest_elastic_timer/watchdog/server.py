@@ -292,6 +292,7 @@ class Watchdog:
         if owner is not None:
             owner.conn = None
             if not proctree.alive([owner.proc]):
+                owner.gone_at = self.loop.clock()
                 owner.let_go()
             # (A process still running keeps its channel: one that dropped its
             # connection may still be interrupted there, and gets its grace.)
