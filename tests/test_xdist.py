@@ -505,6 +505,43 @@ def test_session_fixture_teardown_sleep_is_bounded(pytester: pytest.Pytester) ->
     assert_all_gone(session, all_pids(pytester))
 
 
+STUCK_THEN_MORE = (
+    RECORD_PID
+    + """
+
+def test_stuck():
+    record_pid("test_stuck")
+    sum(range(10**11))
+
+
+def test_next():
+    record_pid("test_next")
+
+
+def test_last():
+    record_pid("test_last")
+"""
+)
+
+
+def test_a_session_budget_that_ends_a_stuck_worker_stops_the_session(
+    pytester: pytest.Pytester,
+) -> None:
+    """The session's budget runs out while a worker is stuck in a C call: the worker
+    is ended, and no test starts after it (a replacement worker would run the rest),
+    as when the budget interrupts a test: exit status 2."""
+    pytester.makepyfile(test_s=STUCK_THEN_MORE)
+    session = run(pytester, "-p", "xdist", "-n", "1", GRACE, "-rA", "--expires-session=2")
+    assert session.result.ret == pytest.ExitCode.INTERRUPTED, session.text
+    assert list(results(session)) == [("TIMEOUT", "test_s.py::test_stuck")], session.text
+    assert sorted(p.name for p in (pytester.path / "pids").iterdir()) == ["test_stuck"]
+    assert "Interrupted: scope 'session' expired after" in session.text
+    assert session.report is not None
+    (record,) = [r for r in session.report["expired"] if r["scope"] == "session"]
+    assert re.fullmatch(HARD, record["action"]) and record["worker"] == "gw0"
+    assert_all_gone(session, all_pids(pytester) | {record["pid"]})
+
+
 def run_teardown_c_loop(pytester: pytest.Pytester) -> Session:
     pytester.makeconftest(SESSION_FIXTURE.format(hang="sum(range(10**11))"))
     pytester.makepyfile(test_s=SESSION_TESTS)

@@ -23,6 +23,7 @@ from _pytest._io import TerminalWriter
 
 from pytest_elastic_timer.core import records, unpatched
 from pytest_elastic_timer.plugin import remote_hosts
+from pytest_elastic_timer.plugin.lifecycle import SESSION_SCOPE
 from pytest_elastic_timer.plugin.state import (
     SESSION,
     is_worker,
@@ -149,6 +150,17 @@ def pytest_handlecrashitem(crashitem: str, report: pytest.TestReport, sched: Any
     if record.stack:
         report.sections.append(("elastic-timer stack dump", stack_text(config, record.stack)))
     report.user_properties.append((SCOPE_PROPERTY, record.scope))
+    if record.scope == SESSION_SCOPE:
+        _stop_the_session(config, record)
+
+
+def _stop_the_session(config: pytest.Config, record: records.ExpiryRecord) -> None:
+    """The session's budget ran out in a worker that had to be ended: no test starts
+    after it, as when a worker's budget interrupts a test (xdist ends its loop with
+    the reason, exit status 2); a replacement would otherwise run the rest."""
+    dsession = config.pluginmanager.get_plugin("dsession")
+    if dsession is not None and not getattr(dsession, "shouldstop", True):
+        dsession.shouldstop = f"{record.line_text()} ({record.worker})"
 
 
 def phase_of(record: records.ExpiryRecord, test_name: str) -> Any:
