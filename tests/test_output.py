@@ -129,6 +129,56 @@ def test_expiries_caught_in_passing_tests_are_one_line(pytester: pytest.Pytester
         assert f"scope '{scope}' expired after" in text, text
 
 
+HELPER_ENDED_IN_A_PASSING_TEST = '''
+import subprocess
+import sys
+import time
+
+import pytest
+
+import pytest_elastic_timer as et
+
+HELPER = """
+import pytest_elastic_timer as et
+
+with et.expires(0.5, scope="helper-stuck"):
+    print("in", flush=True)
+    sum(range(10**11))
+"""
+
+
+def test_leaves_a_helper_that_gets_stuck(elastic_timer):
+    helper = subprocess.Popen(
+        [sys.executable, "-c", HELPER], env=elastic_timer.env, stdout=subprocess.PIPE
+    )
+    assert helper.stdout.readline() == b"in\\n"
+    helper.wait(30)  # ended by the watchdog, after its grace
+    helper.stdout.close()
+
+
+def test_catches_its_own():
+    with pytest.raises(et.ScopeExpired):
+        with et.expires(0.1, scope="caught"):
+            time.sleep(30)
+'''
+
+
+def test_a_process_ended_in_a_passing_test_is_listed_not_counted_as_caught(
+    pytester: pytest.Pytester,
+) -> None:
+    """Only an interrupt caught in a passing test is "caught on purpose": a process that
+    had to be ended (a helper stuck in C) is listed in full, whatever its test did."""
+    pytester.makepyfile(test_helper=HELPER_ENDED_IN_A_PASSING_TEST)
+    session = run(pytester, "--elastic-timer-grace=0.5")
+    session.assert_clean()
+    session.result.assert_outcomes(passed=2)
+    text = summary_section(session.stdout)
+    assert re.search(
+        r"scope 'helper-stuck' expired after [\d.]+s \(budget 0\.5s\): (terminated|killed)", text
+    ), text
+    assert "1 scope expired inside tests that passed (caught on purpose)" in text, text
+
+
 def test_v_lists_expiries_caught_in_passing_tests(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_caught=CAUGHT)
     session = run(pytester, "-v")
