@@ -69,10 +69,9 @@ class Owner:
     expiries: dict[int, Expiry] = field(default_factory=dict)  # serial -> escalation
     finished: set[int] = field(default_factory=set)  # serials whose escalation ended
     next_scan: float = float("inf")
-    # When a scan last found the process running, and when its connection told that
-    # it ended: a deadline it did not live to see is no expiry.
+    # When the process was last known to run (a scan found it running, or its
+    # connection was still open): a deadline it did not live to see is no expiry.
     seen_alive: float = float("-inf")
-    gone_at: float | None = None
     # For an adopted process that also enters scopes of its own (the pytest process, an
     # xdist worker): that registered owner, whose table says what the process is.
     registered_as: Owner | None = None

@@ -50,7 +50,7 @@ class Scanner:
             owner.seen_alive = now
         # A process that ended (killed, os._exit, or gone with a scope acquired and never
         # released) expired only the scopes whose deadline passed while it ran.
-        until = now if running else owner.seen_alive if owner.gone_at is None else owner.gone_at
+        until = now if running else owner.seen_alive
         table = owner.table
         table.floats[tbl.H_ARMED] = 0.0  # until this scan is done, every entry notifies
         suspended = table.floats[tbl.H_SUSPENDED]

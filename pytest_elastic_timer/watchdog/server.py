@@ -291,8 +291,8 @@ class Watchdog:
         owner = self.owners.on(conn, peer_pid)
         if owner is not None:
             owner.conn = None
+            owner.seen_alive = self.loop.clock()  # its connection was open until now
             if not proctree.alive([owner.proc]):
-                owner.gone_at = self.loop.clock()
                 owner.let_go()
             # (A process still running keeps its channel: one that dropped its
             # connection may still be interrupted there, and gets its grace.)
