@@ -95,9 +95,7 @@ class Loop:
             try:
                 key.data(key.fileobj)
             except Exception as exc:
-                if self.on_error is None:
-                    raise
-                self.on_error(exc, f"the reader of {key.fileobj!r}")
+                self._failed(exc, f"the reader of {key.fileobj!r}")
                 self.remove_reader(key.fileobj)
         return len(ready)
 
@@ -109,9 +107,14 @@ class Loop:
             try:
                 callback()
             except Exception as exc:
-                if self.on_error is None:
-                    raise
-                self.on_error(exc, f"the timer {getattr(callback, '__qualname__', callback)!r}")
+                self._failed(exc, f"the timer {getattr(callback, '__qualname__', callback)!r}")
+
+    def _failed(self, exc: Exception, what: str) -> None:
+        """A callback raised ``exc``: the error handler's to judge; without one, it ends
+        the turn."""
+        if self.on_error is None:
+            raise exc
+        self.on_error(exc, what)
 
     def close(self) -> None:
         """Let go of the selector (the readers themselves are their owners' to close)."""
