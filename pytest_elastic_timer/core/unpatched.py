@@ -7,9 +7,9 @@ A test may replace ``time.sleep``, ``time.time``, ``os.kill``, ``os.getpid``,
 test retry delays or a file error, say, or to forbid threads), freeze the clocks
 (freezegun), or block sockets (pytest-socket), and the plugin still works inside that
 test and inside a pytest session the test runs: entering scopes, stopping a watchdog,
-ending a leftover process, delivering an interrupt, reporting an expiry. Modules imported late (the
-process-tree code, which loads psutil only where a leak is looked at) take these
-references from here, bound before any test ran.
+ending a leftover process, delivering an interrupt, reporting an expiry. Modules
+imported late (the process-tree code, which loads psutil only where a leak is looked
+at) take these references from here, bound before any test ran.
 """
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import psutil
 
 # The leftover-process check runs this in a test's process, where a test may have
-# replaced os.kill, time.sleep, time.monotonic or open with a mock (psutil's own send_signal
-# calls os.kill by name); this module is imported late, so the references come from
-# core.unpatched, bound when the package was imported.
+# replaced os.kill, time.sleep, time.monotonic or open with a mock (psutil's own
+# send_signal calls os.kill by name); this module is imported late, so the references
+# come from core.unpatched, bound when the package was imported.
 from pytest_elastic_timer.core.unpatched import kill as _kill
 from pytest_elastic_timer.core.unpatched import monotonic as _monotonic
 from pytest_elastic_timer.core.unpatched import open as _open
