@@ -461,6 +461,68 @@ def test_xdist_outputs(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatc
     )
 
 
+ENDED_WORKER = """
+import time
+import pytest
+import pytest_elastic_timer as et
+
+
+def test_before():
+    with et.expires(5, scope="step"):
+        time.sleep(0.01)
+
+
+@pytest.mark.expires(30)
+def test_gil():
+    with et.expires(20, scope="outer"):
+        with et.expires(0.5, scope="inner"):
+            sum(range(10**11))
+"""
+
+
+def test_trace_keeps_what_a_worker_ended_in_c_did_and_every_scope_it_was_in(
+    pytester: pytest.Pytester,
+) -> None:
+    # One worker runs both tests, the second stuck in C: the watchdog ends the worker.
+    pytester.makepyfile(test_e=ENDED_WORKER)
+    session = run(
+        pytester,
+        *XDIST[:-1],
+        "1",
+        "--elastic-timer-grace=0.3",
+        "--elastic-timer-trace=trace.json",
+        lean=False,
+    )
+    session.assert_clean()
+    session.result.assert_outcomes(failed=1, passed=1)
+    data = session.report
+    assert data is not None
+    inner = record_of(data, "test_gil::call/outer/inner")
+    assert inner.action in ("terminated", "killed")
+    names, slices, instants = trace_parts(pytester.path / "trace.json")
+    assert names[inner.pid] == f"gw0 (pid {inner.pid})"
+    by_path = {e["args"]["path"]: e for e in slices if e["pid"] == inner.pid}
+    # What the worker did before the test it was ended in: written when each phase ended.
+    for path in ("test_before::setup", "test_before::call/step", "test_before::teardown"):
+        assert path in by_path, sorted(by_path)
+    assert "test_gil::setup" in by_path
+    # The scopes it was in when it was ended: from its scope table, each lasting until
+    # the watchdog ended it, the expired one marked as such.
+    call, outer, inner_slice = (
+        by_path[p] for p in ("test_gil::call", "test_gil::call/outer", inner.scope)
+    )
+    assert inner_slice["args"]["expired"] is True
+    assert inner_slice["args"]["action"] == inner.action
+    assert (call["args"]["expired"], outer["args"]["expired"]) == (False, False)
+    assert {e["args"]["nodeid"] for e in (call, outer, inner_slice)} == {"test_e.py::test_gil"}
+    assert call["ts"] <= outer["ts"] <= inner_slice["ts"]
+    ends = [e["ts"] + e["dur"] for e in (call, outer, inner_slice)]
+    assert max(ends) - min(ends) < 1e3  # the same end, within rounding
+    assert inner_slice["dur"] >= 0.5e6
+    assert len({e["tid"] for e in (call, outer, inner_slice)}) == 1
+    assert [e["args"]["scope"] for e in instants if e["pid"] == inner.pid] == [inner.scope]
+
+
 # -- kill -9 of pytest: the watchdog writes the JUnit file ------------------------------
 KILLED = """
 import time

@@ -8,8 +8,9 @@ records into one trace:
 
 - one track (``pid``) per process, named after its xdist worker and label
   (``gw0 rank 1 (pid 4242)``), the pytest process first;
-- one complete event (``"ph": "X"``) per scope, on the thread that entered it; a scope
-  whose process was ended before it could leave the scope gets one from its record;
+- one complete event (``"ph": "X"``) per scope, on the thread that entered it; the
+  scopes a process was in when the watchdog ended it get theirs from its scope table,
+  lasting until it was ended;
 - one instant event (``"ph": "i"``) per expired scope, at its deadline;
 - one complete event per torch.distributed op a process recorded (the last 256 of each
   process, from its collectives ring), on a ``collectives`` thread of its track: a
@@ -36,10 +37,12 @@ from typing import Any
 
 from pytest_elastic_timer.core import atomic_file
 from pytest_elastic_timer.core import collectives as ring_format
+from pytest_elastic_timer.core import table as tbl
 from pytest_elastic_timer.core.records import ExpiryRecord
 
 TRACE_VERSION = 1
 TRACE_GLOB = "trace-*"
+TABLE_GLOB = "table-*"  # the scope tables, one per process (see core/table.py)
 _TOLERANCE = 0.01  # seconds between a record's start and its scope's traced start
 COLLECTIVES_THREAD = -1  # the thread ident that stands for a process's collectives row
 
@@ -61,6 +64,51 @@ def read_events(directory: str) -> list[dict[str, Any]]:
                 continue  # a line torn by a process that was killed while writing
             if isinstance(event, dict):
                 events.append(event)
+    return events
+
+
+def read_unfinished(directory: str, records: Iterable[ExpiryRecord]) -> list[dict[str, Any]]:
+    """Events for the scopes a process was still in when the watchdog ended it: the
+    slots its table (a file that outlives it) holds open, each lasting until the
+    process was ended. Its expired scope is among them; the scopes around it are
+    known from nowhere else."""
+    ended: dict[int, list[ExpiryRecord]] = {}
+    for record in records:
+        if record.action != "interrupted" and not record.host:  # another host's tables
+            ended.setdefault(record.pid, []).append(record)  # are on that host
+    events: list[dict[str, Any]] = []
+    for path in sorted(glob.glob(os.path.join(directory, TABLE_GLOB))):
+        pid_text = os.path.basename(path).split("-")[1]
+        its_records = ended.get(int(pid_text)) if pid_text.isdigit() else None
+        if not its_records:
+            continue
+        try:
+            table = tbl.ScopeTable.open(path)
+        except (OSError, ValueError):
+            continue
+        try:
+            slots = list(table.open_slots())
+            if not {r.serial for r in its_records} & {s.serial for s in slots}:
+                continue  # an earlier process with the same pid
+            last = its_records[-1]
+            end = max(r.ended or r.deadline for r in its_records)
+            for slot in slots:
+                scope, _, nodeid = table.scope_of(slot)
+                events.append(
+                    {
+                        "pid": last.pid,
+                        "label": last.label,
+                        "worker": last.worker,
+                        "path": scope,
+                        "start": slot.start,
+                        "end": max(end, slot.start),
+                        "tid": slot.thread_id,
+                        "nodeid": nodeid,
+                        "expired": False,
+                    }
+                )
+        finally:
+            table.close()
     return events
 
 
@@ -317,7 +365,8 @@ def pytest_elastic_timer_session_end(
     facts = {"pid": session.pid, "started": session.started, "args": session.args}
     try:
         directory = session.directory
-        write(session.trace, read_events(directory), records, facts, read_collectives(directory))
+        events = read_events(directory) + read_unfinished(directory, records)
+        write(session.trace, events, records, facts, read_collectives(directory))
     except OSError as exc:
         sys.stderr.write(f"pytest-elastic-timer: cannot write {session.trace}: {exc}\n")
 

@@ -353,6 +353,18 @@ class ScopeTable:
                 region.release()
         return earliest, due
 
+    def scope_of(self, slot: SlotView) -> tuple[str, str, str]:
+        """(path, site, nodeid) of the scope in ``slot``: a test phase's scope, which
+        has no path or site of its own, is named after its test (``test_x::call``)
+        and sited at its definition."""
+        nodeid, name, definition = split_test_entry(self.string(slot.nodeid_sid))
+        path = self.string(slot.path_sid)
+        site = self.string(slot.site_sid)
+        phase = phase_of(slot.flags)
+        if phase and not path:
+            path, site = f"{name}::{phase}", site or definition
+        return path, site, nodeid
+
     def open_slots(self) -> Iterator[SlotView]:
         """Every open slot, read in one pass over the used part of the table."""
         hwm = min(int(self.words[H_HWM]), CAPACITY)

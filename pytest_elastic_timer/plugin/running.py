@@ -128,10 +128,13 @@ class RunningTest:
         scopes.close_above(self.stack, self.depth, self.stack.prefix)
 
     def _trace_phase(self) -> None:
-        """The timeline shows every phase without a scope of its own."""
+        """The timeline shows every phase without a scope of its own. What the phase
+        traced is written now: should the process be ended in the next one (stuck in
+        C, where it runs no more Python), it is not lost with it."""
         stack = self.stack
         if self.when and stack.prefix != self.outer_prefix:
             self.process.traced(stack.prefix, self.started, stack.tid, False)
+        self.process.flush_trace()
         self.started = _monotonic()
 
     def _check_leaks(self, before: bytes, after: bytes) -> None:

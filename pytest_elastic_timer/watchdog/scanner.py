@@ -87,13 +87,7 @@ class Scanner:
                 self.schedule_scan(owner, again.deadline)
             return
         slot = again
-        table = owner.table
-        nodeid, name, definition = tbl.split_test_entry(table.string(slot.nodeid_sid))
-        path = table.string(slot.path_sid)
-        site = table.string(slot.site_sid)
-        phase = tbl.phase_of(slot.flags)
-        if phase and not path:  # a test phase's scope: named after its test
-            path, site = f"{name}::{phase}", site or definition
+        path, site, nodeid = owner.table.scope_of(slot)
         expiry = Expiry(
             slot=slot.slot_index,
             serial=slot.serial,
