@@ -1894,3 +1894,45 @@ def test_a_process_that_ended_before_its_deadline_expired_nothing(
     session.result.assert_outcomes(passed=2)
     assert session.report is not None and session.report["expired"] == []
     assert "elastic-timer: expired scopes" not in session.text
+
+
+OWN_ENVIRONMENT = '''
+import os
+import subprocess
+import sys
+
+CHILD = """
+import time
+import pytest_elastic_timer as et
+with et.expires(0.3, scope="child"):
+    time.sleep(30)
+"""
+
+
+def test_a_child_with_an_environment_of_its_own():
+    # Only what joins the session and finds Python: no PYTEST_CURRENT_TEST, no
+    # PYTEST_XDIST_WORKER.
+    env = {k: v for k, v in os.environ.items() if k.startswith("PYTEST_ELASTIC_TIMER")}
+    env["PATH"] = os.environ["PATH"]
+    child = subprocess.run([sys.executable, "-c", CHILD], env=env, timeout=60)
+    assert child.returncode == 0
+'''
+
+
+@pytest.mark.parametrize("workers", [[], ["-p", "xdist", "-n", "1"]], ids=["one", "xdist"])
+def test_a_child_given_an_environment_of_its_own_is_credited_to_its_test(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, workers: list[str]
+) -> None:
+    """A child whose environment does not name its test (nor its worker) is credited
+    to the test its pytest process ran when it joined: its test is a TIMEOUT."""
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)  # this suite's own, under -n
+    pytester.makepyfile(test_own=OWN_ENVIRONMENT)
+    session = run(pytester, *workers)
+    session.assert_clean()
+    session.result.assert_outcomes(failed=1)
+    nodeid = "test_own.py::test_a_child_with_an_environment_of_its_own"
+    assert f"TIMEOUT {nodeid}" in session.text
+    assert session.report is not None
+    (record,) = session.report["expired"]
+    assert (record["scope"], record["nodeid"]) == ("child", nodeid)
+    assert record["worker"] == ("gw0" if workers else "")

@@ -78,6 +78,11 @@ class Owner:
     # Where a process without an interrupt signal (its pytest runs outside the main
     # thread) takes its interrupt: a byte written here wakes its interrupter thread.
     interrupt_channel: socket.socket | None = None
+    # The test its nearest pytest ancestor ran when it joined, and that ancestor's
+    # xdist worker: what started it, for a process whose environment does not say (a
+    # child given an environment of its own).
+    started_in: str = ""
+    started_on: str = ""
 
     def interruptible(self) -> bool:
         """Whether the owner can be given its interrupt (a signal, or its channel)."""
@@ -118,12 +123,20 @@ class Owner:
         """The nodeid of the test the process runs now ("" if none): as its own table
         says (a process of the session's pytest), else its environment's
         ``PYTEST_CURRENT_TEST`` (a child that a test started; the variable a pytest
-        process sets later is not in what /proc shows of its environment)."""
+        process sets later is not in what /proc shows of its environment), else the
+        test that started it (:attr:`started_in`: a child given an environment of
+        its own)."""
         own = self.registered_as or self
-        sid = int(own.table.words[tbl.H_TEST_SID])
-        if sid:
-            return tbl.split_test_entry(own.table.string(sid))[0]
-        return self.environ("PYTEST_CURRENT_TEST").rsplit(" (", 1)[0]
+        return (
+            own.test_in_table()
+            or self.environ("PYTEST_CURRENT_TEST").rsplit(" (", 1)[0]
+            or self.started_in
+        )
+
+    def test_in_table(self) -> str:
+        """The nodeid of the test its table says the process runs ("" if none)."""
+        sid = int(self.table.words[tbl.H_TEST_SID])
+        return tbl.split_test_entry(self.table.string(sid))[0] if sid else ""
 
 
 class Refused(wire.BadMessage):
@@ -220,7 +233,28 @@ class Owners(Mapping[int, Owner]):
         if table.words[tbl.H_PID] != peer_pid:
             table.close()
             raise wire.BadMessage("table of another process")
-        return Owner(ident, proc, table, conn, dump)
+        owner = Owner(ident, proc, table, conn, dump)
+        self.note_starter(owner)
+        return owner
+
+    def note_starter(self, owner: Owner) -> None:
+        """Set ``owner.started_in`` and ``started_on`` from the nearest registered
+        process above it that runs a test (a pytest process names its test in its
+        table), if any."""
+        roots = {root.pid for root in self.roots}
+        proc: psutil.Process | None = owner.proc
+        while proc is not None and proc.pid not in roots:  # nothing of ours above a root
+            try:
+                proc = proc.parent()
+            except psutil.Error:
+                return
+            above = self.registered.get(proc.pid) if proc is not None else None
+            if above is not None and proctree.ProcessId.of(above.pid) == above.ident:
+                test = above.test_in_table()
+                if test:
+                    owner.started_in = test
+                    owner.started_on = above.header_text(tbl.H_WORKER_SID)
+                    return
 
     def add(self, owner: Owner) -> None:
         """Register ``owner``, in place of an earlier process of its pid."""
@@ -245,6 +279,7 @@ class Owners(Mapping[int, Owner]):
             return None
         table = tbl.ScopeTable.create(None)
         owner = Owner(ident, proc, table, None, startup.dump_path(self.directory, pid))
+        self.note_starter(owner)
         registered = self.registered.get(pid)
         if registered is not None and registered.ident == ident:
             # It says what it is in its own table (its environment, as /proc shows it,

@@ -53,13 +53,13 @@ class Recorder:
         if report and action == "interrupted":
             elapsed = float(report.get("elapsed", elapsed))
         record = records.ExpiryRecord(
-            nodeid=expiry.nodeid or str(report.get("nodeid", "")),
+            nodeid=expiry.nodeid or str(report.get("nodeid", "")) or owner.started_in,
             scope=expiry.path or str(report.get("scope", "")),
             budget=round(budget, 3),
             elapsed=round(elapsed, 6),
             pid=owner.pid,
             label=owner.header_text(tbl.H_LABEL_SID),
-            worker=owner.header_text(tbl.H_WORKER_SID),
+            worker=owner.header_text(tbl.H_WORKER_SID) or owner.started_on,
             file=file,
             line=line,
             action=action,
