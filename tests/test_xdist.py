@@ -539,6 +539,9 @@ def test_a_session_budget_that_ends_a_stuck_worker_stops_the_session(
     assert session.report is not None
     (record,) = [r for r in session.report["expired"] if r["scope"] == "session"]
     assert re.fullmatch(HARD, record["action"]) and record["worker"] == "gw0"
+    # The worker could not say which test it ran: its table does, as for an interrupt.
+    assert (record["nodeid"], record["phase"]) == ("test_s.py::test_stuck", "call")
+    assert "  phase:   call" in failure_block(session, "test_stuck").splitlines()
     assert_all_gone(session, all_pids(pytester) | {record["pid"]})
 
 

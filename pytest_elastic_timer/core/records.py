@@ -183,7 +183,9 @@ def format_record(
         from pytest_elastic_timer.core import collectives  # only records of ranks have one
 
         lines.append("  " + collectives.collective_line(record.collective, record.rank_stacks()))
-    if record.phase and not record.nodeid:
+    # A scope whose path does not say its test's phase (one entered outside the
+    # test, such as the session's) says in which phase it expired.
+    if record.phase and (not record.nodeid or "::" not in record.scope):
         lines.append(f"  phase:   {record.phase}")
     if record.killed:
         names = ", ".join(f"{p.get('pid')} ({p.get('name', '?')})" for p in record.killed)

@@ -53,7 +53,14 @@ class Recorder:
         if report and action == "interrupted":
             elapsed = float(report.get("elapsed", elapsed))
         record = records.ExpiryRecord(
-            nodeid=expiry.nodeid or str(report.get("nodeid", "")) or owner.started_in,
+            # A scope entered outside every test (the session's) names the test its
+            # process ran when it expired, as the owner's own report of it would.
+            nodeid=(
+                expiry.nodeid
+                or str(report.get("nodeid", ""))
+                or owner.test_in_table()
+                or owner.started_in
+            ),
             scope=expiry.path or str(report.get("scope", "")),
             budget=round(budget, 3),
             elapsed=round(elapsed, 6),
