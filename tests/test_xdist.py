@@ -524,6 +524,11 @@ def test_last():
 )
 
 
+STUCK_WITH_A_BUDGET_THEN_MORE = STUCK_THEN_MORE.replace(
+    "\ndef test_stuck", "\n@pytest.mark.expires(1)\ndef test_stuck"
+)
+
+
 def test_a_session_budget_that_ends_a_stuck_worker_stops_the_session(
     pytester: pytest.Pytester,
 ) -> None:
@@ -542,6 +547,25 @@ def test_a_session_budget_that_ends_a_stuck_worker_stops_the_session(
     # The worker could not say which test it ran: its table does, as for an interrupt.
     assert (record["nodeid"], record["phase"]) == ("test_s.py::test_stuck", "call")
     assert "  phase:   call" in failure_block(session, "test_stuck").splitlines()
+    assert_all_gone(session, all_pids(pytester) | {record["pid"]})
+
+
+@pytest.mark.parametrize("stop", [["-x"], ["--maxfail=1"]], ids=["x", "maxfail"])
+def test_a_test_whose_worker_was_ended_counts_for_maxfail(
+    pytester: pytest.Pytester, stop: list[str]
+) -> None:
+    """``-x``: the test stuck in a C call, whose worker the watchdog ended, is a failure
+    like any other: no test starts after it, as for a plain failure (exit status 2,
+    xdist's "stopping after 1 failures")."""
+    pytester.makepyfile(test_s=STUCK_WITH_A_BUDGET_THEN_MORE)
+    session = run(pytester, "-p", "xdist", "-n", "1", GRACE, "-rA", *stop)
+    assert session.result.ret == pytest.ExitCode.INTERRUPTED, session.text
+    assert list(results(session)) == [("TIMEOUT", "test_s.py::test_stuck")], session.text
+    assert sorted(p.name for p in (pytester.path / "pids").iterdir()) == ["test_stuck"]
+    assert "Interrupted: stopping after 1 failures" in session.text
+    assert session.report is not None
+    (record,) = session.report["expired"]
+    assert re.fullmatch(HARD, record["action"]), record
     assert_all_gone(session, all_pids(pytester) | {record["pid"]})
 
 

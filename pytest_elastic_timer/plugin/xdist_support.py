@@ -151,16 +151,32 @@ def pytest_handlecrashitem(crashitem: str, report: pytest.TestReport, sched: Any
         report.sections.append(("elastic-timer stack dump", stack_text(config, record.stack)))
     report.user_properties.append((SCOPE_PROPERTY, record.scope))
     if record.scope == SESSION_SCOPE:
-        _stop_the_session(config, record)
+        _stop_the_session(config, f"{record.line_text()} ({record.worker})")
+    else:
+        _count_the_failure(config)
 
 
-def _stop_the_session(config: pytest.Config, record: records.ExpiryRecord) -> None:
-    """The session's budget ran out in a worker that had to be ended: no test starts
-    after it, as when a worker's budget interrupts a test (xdist ends its loop with
-    the reason, exit status 2); a replacement would otherwise run the rest."""
+def _stop_the_session(config: pytest.Config, reason: str) -> None:
+    """No test starts after this one (xdist ends its loop with ``reason``, exit status
+    2); a replacement worker would otherwise run the rest. For the session's budget,
+    run out in a worker that had to be ended, as when it interrupts a test."""
     dsession = config.pluginmanager.get_plugin("dsession")
     if dsession is not None and not getattr(dsession, "shouldstop", True):
-        dsession.shouldstop = f"{record.line_text()} ({record.worker})"
+        dsession.shouldstop = reason
+
+
+def _count_the_failure(config: pytest.Config) -> None:
+    """xdist counts a crashed worker's test apart from failures; this one is a test
+    that failed by its scope, and counts for ``-x`` / ``--maxfail`` as when its
+    worker is interrupted (the same count and words as xdist's own)."""
+    dsession = config.pluginmanager.get_plugin("dsession")
+    count = getattr(dsession, "countfailures", None)
+    if dsession is None or not isinstance(count, int):
+        return
+    maxfail = getattr(dsession, "maxfail", 0)
+    dsession.countfailures = count + 1
+    if maxfail and count + 1 >= maxfail:
+        _stop_the_session(config, f"stopping after {count + 1} failures")
 
 
 def phase_of(record: records.ExpiryRecord, test_name: str) -> Any:
