@@ -1936,3 +1936,35 @@ def test_a_child_given_an_environment_of_its_own_is_credited_to_its_test(
     (record,) = session.report["expired"]
     assert (record["scope"], record["nodeid"]) == ("child", nodeid)
     assert record["worker"] == ("gw0" if workers else "")
+
+
+CAUGHT_AND_GONE = """
+import time
+
+import pytest
+import pytest_elastic_timer as et
+
+
+@pytest.mark.expires(0.3)
+def test_interrupted():
+    time.sleep(30)
+
+
+@pytest.mark.parametrize("n", range(3))
+def test_caught(n):
+    with pytest.raises(et.ScopeExpired):
+        with et.expires(0.2, scope="probe"):
+            time.sleep(5)
+"""
+
+
+def test_a_caught_expiry_is_recorded_in_the_phase_it_expired_in(pytester: pytest.Pytester) -> None:
+    """The record of an expiry caught by its test is final once the watchdog sees the
+    scope closed, when the test may be over: its phase is the one at the expiry."""
+    pytester.makepyfile(test_caught=CAUGHT_AND_GONE)
+    session = run(pytester)
+    session.assert_clean()
+    session.result.assert_outcomes(passed=3, failed=1)
+    assert session.report is not None
+    phases = [(r["scope"], r["phase"]) for r in session.report["expired"] if "probe" in r["scope"]]
+    assert phases == [(f"test_caught[{n}]::call/probe", "call") for n in range(3)], phases

@@ -71,7 +71,9 @@ class Recorder:
             line=line,
             action=action,
             stack=stack,
-            phase=owner.header_text(tbl.H_PHASE_SID),
+            # As it was when the scope expired: the record is made later (after the
+            # grace, or once the owner's report is read), when the owner may be done.
+            phase=expiry.phase or owner.header_text(tbl.H_PHASE_SID),
             children=expiry.children,
             killed=ended,
             deadline=expiry.deadline,
