@@ -691,3 +691,28 @@ def test_child_records_in_failure_text_under_xdist(pytester: pytest.Pytester) ->
     block = failure_block(session, "test_plain")
     text = section(block, f"elastic-timer: stack of pid {child['pid']} at expiry")
     assert "in serve_forever" in text, text
+
+
+# A plugin that sets PYTHONPATH from its settings in every pytest process, before the
+# session's plugins are configured (as pytest-env does, from the ini file).
+SETS_PYTHONPATH = """
+import os
+
+
+def pytest_load_initial_conftests(early_config, parser, args):
+    os.environ["PYTHONPATH"] = os.path.join(os.getcwd(), "extra")
+"""
+
+
+def test_a_worker_whose_pythonpath_a_plugin_set_again_still_dumps_its_children(
+    pytester: pytest.Pytester,
+) -> None:
+    """The processes a worker starts get the session's start-up hook although a plugin
+    set PYTHONPATH again in the worker: the stack of the test's child at its expiry."""
+    pytester.makepyfile(test_plain=PLAIN_CHILD_TEST, sets_pythonpath=SETS_PYTHONPATH)
+    session = run_xdist(pytester, "-p", "sets_pythonpath", "-rA")
+    session.assert_clean()
+    assert session.report is not None
+    (record,) = records_of(session, "test_plain.py::test_plain")
+    (child,) = [c for c in record["children"] if "serve_forever" in c["cmdline"]]
+    assert "in serve_forever" in child["stack"], child

@@ -21,7 +21,7 @@ import pytest
 from _pytest._code.code import ReprFileLocation, TerminalRepr
 from _pytest._io import TerminalWriter
 
-from pytest_elastic_timer.core import records, unpatched
+from pytest_elastic_timer.core import records, startup, unpatched
 from pytest_elastic_timer.plugin import remote_hosts
 from pytest_elastic_timer.plugin.lifecycle import SESSION_SCOPE
 from pytest_elastic_timer.plugin.state import (
@@ -266,6 +266,10 @@ def configure_worker(config: pytest.Config) -> None:
     if not address:
         return
     os.environ[client.ENV_ADDRESS] = address
+    # The worker inherited the session's PYTHONPATH, but a plugin that sets it from
+    # the ini file (pytest-env) sets it again in each worker, before this runs: the
+    # processes the worker starts still get the session's start-up hook first.
+    os.environ["PYTHONPATH"] = startup.python_path(os.environ.get("PYTHONPATH"))
     config.stash[ENDED] = EndedTests(records_beside(address))
 
 
