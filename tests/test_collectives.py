@@ -8,6 +8,7 @@ reads them, so the format and the analysis are tested together.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import os
 import struct
@@ -262,6 +263,7 @@ def test_a_rank_that_never_reaches_all_reduce_is_missing(ranks: Any) -> None:
         "site": SITE.decode(),
         "shapes": [[4]],
         "since": pytest.approx(NOW - waiting_start(zero)),
+        "group": "default",
     }
     assert (missing["op"], missing["seq"], missing["state"]) == ("broadcast", 2, "completed")
     line = col.collective_line(found, {1: STACK})
@@ -356,6 +358,7 @@ def test_a_rank_without_a_ring_is_missing_with_no_op(ranks: Any) -> None:
         "site": "",
         "shapes": [],
         "since": 0.0,
+        "group": "",
     }
     assert "ranks 0, 1 waiting" in col.collective_line(
         found
@@ -647,12 +650,49 @@ def test_the_watchdog_names_ranks_and_adds_the_collective_to_a_record(ranks: Any
         children=[{"pid": 10_000, "label": "rank 7"}, {"pid": 10_001, "label": ""}, {"pid": 5}],
         deadline=NOW,
     )  # fmt: skip
-    CollectivesAmender(directory)(record)
+    CollectivesAmender(directory, dict)(record)
     assert [c.get("label") for c in record.children] == ["rank 0", "rank 1", None]
     assert record.collective is not None and record.collective["missing"] == [1]
     elsewhere = dataclasses.replace(record, host="node-2", collective=None)
-    CollectivesAmender(directory)(elsewhere)
+    CollectivesAmender(directory, dict)(elsewhere)
     assert elsewhere.collective is None  # another host's rings are not here
+    # Rank 0's process ended inside the op before the deadline (an earlier escalation
+    # ended it): it died in it, it does not wait in it. Ended after: it still waited.
+    for ended_at, waiting, died in ((NOW - 5, [], [0]), (NOW + 1, [0], [])):
+        again = dataclasses.replace(record, collective=None)
+        CollectivesAmender(directory, functools.partial(dict, {10_000: ended_at}))(again)
+        assert again.collective is not None
+        assert (again.collective["waiting"], again.collective["died"]) == (waiting, died)
+
+
+def test_a_rank_that_ended_inside_the_op_died_in_it_and_does_not_wait(ranks: Any) -> None:
+    zero, one, two = ranks(3)
+    for rank in (zero, one, two):
+        rank.op("all_reduce")
+    zero.op("all_reduce", done=False)  # the first in: ended there by an earlier expiry
+    one.op("all_reduce", done=False)
+    found = col.align(rings([zero, one, two]), NOW, gone={zero.writer.words[col.H_PID]})
+    assert found is not None
+    assert (found["op"], found["seq"]) == ("all_reduce", 2)
+    assert (found["waiting"], found["died"], found["missing"]) == ([1], [0], [2])
+    line = col.collective_line(found)
+    assert "rank 1 waiting" in line and "rank 0 died in it at train.py:40" in line
+    assert "rank 0 waiting" not in line and "rank 2 missing, last completed all_reduce #1" in line
+
+
+def test_a_missing_rank_in_an_op_of_another_group_names_that_group(ranks: Any) -> None:
+    ranks_ = ranks(4)
+    for rank in ranks_:
+        rank.writer.add_group("1", [2, 3])
+        rank.op("all_reduce")
+    zero, one, two, _ = ranks_
+    zero.op("all_reduce", done=False)
+    one.op("all_reduce", done=False)
+    two.op("all_reduce", group="1", done=False)  # its partner, rank 3, never comes
+    found = col.align(rings(ranks_), NOW)
+    assert found is not None and found["group"] == "default"
+    assert found["ranks"]["2"]["group"] == "1"
+    assert "rank 2 missing, in all_reduce #1 (group 1) at train.py:40" in col.collective_line(found)
 
 
 def test_a_ranks_stack_on_the_terminal_keeps_the_frames_around_the_recorder() -> None:

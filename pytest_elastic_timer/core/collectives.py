@@ -36,7 +36,7 @@ import os
 import re
 import struct
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -454,7 +454,15 @@ def _at(ring: Ring | None, group: str, seq: int, kinds: tuple[int, ...]) -> Entr
 
 def _rank_view(entry: Entry | None, now: float) -> dict[str, Any]:
     if entry is None:
-        return {"op": "", "seq": 0, "state": "none", "site": "", "shapes": [], "since": 0.0}
+        return {
+            "op": "",
+            "seq": 0,
+            "state": "none",
+            "site": "",
+            "shapes": [],
+            "since": 0.0,
+            "group": "",
+        }
     began = entry.start if entry.started or not entry.end else entry.end
     return {
         "op": entry.op,
@@ -463,18 +471,21 @@ def _rank_view(entry: Entry | None, now: float) -> dict[str, Any]:
         "site": entry.site,
         "shapes": entry.shapes,
         "since": round(max(0.0, now - began), 3),
+        "group": entry.group,
     }
 
 
-def align(rings: Iterable[Ring], now: float) -> dict[str, Any] | None:
+def align(rings: Iterable[Ring], now: float, gone: Collection[int] = ()) -> dict[str, Any] | None:
     """The ``collective`` field of an expiry record, from the rings of the ranks
     concerned (``now``: ``time.monotonic()`` at the expiry), or None when no rank is
-    inside a collective or point-to-point op.
+    inside a collective or point-to-point op. ``gone``: the pids of processes known to
+    have ended before ``now``.
 
     The collective is the op the longest-waiting rank blocks in: its group and that
     group's sequence number. ``waiting`` are the group's ranks inside an op at that
-    sequence number, ``missing`` those that never reached it (a rank without a ring
-    too); ``mismatch`` is ``"op"`` when the ranks at that number are in different ops,
+    sequence number, ``died`` those that ended inside it (their process is in
+    ``gone``), ``missing`` those that never reached it (a rank without a ring too);
+    ``mismatch`` is ``"op"`` when the ranks at that number are in different ops,
     ``"shape"`` when they are in the same op with different tensor shapes.
     """
     by_rank: dict[int, Ring] = {}
@@ -485,7 +496,11 @@ def align(rings: Iterable[Ring], now: float) -> dict[str, Any] | None:
     blocked = {rank: entry for rank, ring in by_rank.items() if (entry := ring.blocked())}
     if not blocked:
         return None
-    anchor_rank, anchor = min(blocked.items(), key=lambda item: (item[1].start, item[0]))
+    dead = {rank for rank, ring in by_rank.items() if ring.pid in gone}
+    # The op a live rank waits in, the longest; a dead rank's only when all are dead.
+    anchor_rank, anchor = min(
+        blocked.items(), key=lambda item: (item[0] in dead, item[1].start, item[0])
+    )
     group, seq = anchor.group, anchor.seq
     if anchor.kind in (SEND, RECV):
         kinds: tuple[int, ...] = (SEND, RECV)
@@ -512,7 +527,9 @@ def align(rings: Iterable[Ring], now: float) -> dict[str, Any] | None:
         if anchor_rank not in members:
             members = sorted({*members, anchor_rank})
         here = {rank: _at(by_rank.get(rank), group, seq, kinds) for rank in members}
-    waiting = sorted(rank for rank in members if (e := here.get(rank)) and e.started)
+    inside = {rank for rank in members if (e := here.get(rank)) and e.started}
+    waiting = sorted(inside - dead)
+    died = sorted(inside & dead)
     missing = sorted(rank for rank in members if here.get(rank) is None)
     present = [e for rank in members if (e := here.get(rank)) is not None]
     mismatch: str | None = None
@@ -537,6 +554,7 @@ def align(rings: Iterable[Ring], now: float) -> dict[str, Any] | None:
         "op": anchor.op,
         "waiting": waiting,
         "missing": missing,
+        "died": died,
         "mismatch": mismatch,
         "ranks": ranks,
     }
@@ -596,15 +614,23 @@ def collective_line(
     for (since, op, where), found in by_place.items():
         verb = ("were in it" if len(found) > 1 else "was in it") if ended else "waiting"
         parts.append(f"{_ranks_text(sorted(found))} {verb}{since}{op}{where}")
+    for rank in collective.get("died", []):
+        view = ranks.get(str(rank), {})
+        site = str(view.get("site", ""))
+        op = f" in {view.get('op')}" if mismatch == "op" else ""
+        parts.append(f"rank {rank} died in it{op}" + (f" at {_short(site)}" if site else ""))
+    group = collective.get("group")
     for rank in collective.get("missing", []):
         view = ranks.get(str(rank), {})
         state = view.get("state", "none")
+        # An op of another group than the collective's says which group.
+        of = f" (group {view['group']})" if view.get("group") not in (None, "", group) else ""
         text = f"rank {rank} missing"
         if state == "completed":
-            text += f", last completed {view.get('op')} #{view.get('seq')}"
+            text += f", last completed {view.get('op')} #{view.get('seq')}{of}"
         elif state == "started":
             site = view.get("site", "")
-            text += f", in {view.get('op')} #{view.get('seq')}" + (
+            text += f", in {view.get('op')} #{view.get('seq')}{of}" + (
                 f" at {_short(str(site))}" if site else ""
             )
         elif state == "none":
@@ -658,17 +684,20 @@ def as_of(ring: Ring, moment: float) -> Ring:
     return replace(ring, entries=entries)
 
 
-def collective_for(directory: str, pids: Iterable[int], moment: float) -> dict[str, Any] | None:
+def collective_for(
+    directory: str, pids: Iterable[int], moment: float, gone: Collection[int] = ()
+) -> dict[str, Any] | None:
     """The ``collective`` field for an expiry whose owner and descendants are ``pids``,
     at ``moment`` (the deadline): their rings, with every ring of the same world (the
     rank that owns a scope is not the parent of the other ranks, and a rank that died
     is nobody's child), as they stood then, aligned. The rings outlive their processes,
-    so this may run after the escalation ended them."""
+    so this may run after the escalation ended them; ``gone``: the pids known to have
+    ended before ``moment``."""
     seeds = [r for r in newest_per_pid(read_rings(ring_paths(directory, pids))) if r.rank >= 0]
     if not seeds:
         return None
     others = read_rings(ring_paths(directory)) if any(r.world_id for r in seeds) else []
-    return align([as_of(r, moment) for r in world_of(seeds, others)], moment)
+    return align([as_of(r, moment) for r in world_of(seeds, others)], moment, gone)
 
 
 def labels(directory: str, pids: Iterable[int]) -> dict[int, str]:
@@ -725,9 +754,12 @@ def ranks_text(rings: list[Ring], now: float) -> str:
         else:
             text = f"{head}: no op recorded"
         lines.append(text)
-    collective = align(rings, now)
+    gone = {r.pid for r in rings if not process_alive(r.pid, r.starttime)}
+    alive = len(gone) < len(rings)
+    # While some ranks run, those that ended are told apart; once all have ended, all
+    # were in the op rather than waiting in it.
+    collective = align(rings, now, gone if alive else ())
     if collective is not None:
-        alive = any(process_alive(r.pid, r.starttime) for r in rings)
         lines.append(collective_line(collective, ended=not alive))
     return "\n".join(lines)
 

@@ -12,6 +12,7 @@ the record of a rank that was killed.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -20,10 +21,13 @@ if TYPE_CHECKING:
 
 class CollectivesAmender:
     """A :class:`~pytest_elastic_timer.watchdog.recorder.Recorder` amender for the
-    session ``directory``."""
+    session ``directory``. ``ended``: when the watchdog knows processes of the session
+    to have ended (pid -> its clock), so that a rank that ended inside an op before the
+    deadline is told apart from one still waiting in it."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, ended: Callable[[], Mapping[int, float]]) -> None:
         self.directory = directory
+        self.ended = ended
 
     def __call__(self, record: ExpiryRecord) -> None:
         if record.host:
@@ -40,6 +44,7 @@ class CollectivesAmender:
                 child["label"] = label
         if not record.label and labels.get(record.pid):
             record.label = labels[record.pid]
-        found = collectives.collective_for(self.directory, pids, record.deadline)
+        gone = {pid for pid, when in self.ended().items() if when <= record.deadline}
+        found = collectives.collective_for(self.directory, pids, record.deadline, gone)
         if found is not None:
             record.collective = found

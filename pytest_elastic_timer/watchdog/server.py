@@ -94,7 +94,7 @@ class Watchdog:
         self.owners = Owners(directory, root, dump_signal)
         self.recorder = Recorder(os.path.join(directory, RECORDS_NAME), clock)
         # What the ranks concerned were doing in torch.distributed, from their rings.
-        self.recorder.amenders.append(CollectivesAmender(directory))
+        self.recorder.amenders.append(CollectivesAmender(directory, self._ended_processes))
         self.ladder = Ladder(
             clock=clock,
             dumper=Dumper(directory, dump_signal, clock),
@@ -284,6 +284,21 @@ class Watchdog:
         self.send(
             conn, "welcome", pid=os.getpid(), scale=self.scale, grace=self.grace, trace=self.trace
         )
+
+    def _ended_processes(self) -> dict[int, float]:
+        """When processes of the session are known to have ended (pid -> clock): those
+        an escalation ended, and registered ones whose connection closed as they went."""
+        ended = {
+            int(p["pid"]): record.ended
+            for record in self.recorder.records
+            if record.action != "interrupted" and not record.host
+            for p in record.killed
+            if "pid" in p
+        }
+        for owner in self.owners.values():
+            if owner.conn is None and not proctree.alive([owner.proc]):
+                ended.setdefault(owner.pid, owner.seen_alive)
+        return ended
 
     def _disconnected(self, conn: socket.socket, peer_pid: int) -> None:
         for callback in self._on_disconnect:
