@@ -716,3 +716,45 @@ def test_a_worker_whose_pythonpath_a_plugin_set_again_still_dumps_its_children(
     (record,) = records_of(session, "test_plain.py::test_plain")
     (child,) = [c for c in record["children"] if "serve_forever" in c["cmdline"]]
     assert "in serve_forever" in child["stack"], child
+
+
+# What pytest-rerunfailures does with a crashed worker's test, once: queue it again,
+# and report this run as a rerun.
+RERUNS_ONCE = """
+import pytest
+
+queued_again = set()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_handlecrashitem(crashitem, report, sched):
+    if crashitem not in queued_again:
+        queued_again.add(crashitem)
+        sched.mark_test_pending(crashitem)
+        report.outcome = "rerun"
+
+
+def pytest_report_teststatus(report):
+    if report.outcome == "rerun":
+        return "rerun", "R", "RERUN"
+"""
+
+
+def test_a_plugin_may_run_a_test_whose_worker_was_ended_again(
+    pytester: pytest.Pytester,
+) -> None:
+    """A plugin that queues the crashed worker's test again (pytest-rerunfailures)
+    gets it run again on the replacement worker, with a budget of its own; the last
+    run is the TIMEOUT, and the session fails."""
+    pytester.makepyfile(test_s=STUCK_WITH_A_BUDGET_THEN_MORE, reruns_once=RERUNS_ONCE)
+    session = run(pytester, "-p", "xdist", "-n", "1", GRACE, "-rA", "-p", "reruns_once")
+    assert session.result.ret == pytest.ExitCode.TESTS_FAILED, session.text
+    assert ("TIMEOUT", "test_s.py::test_stuck") in results(session), session.text
+    summary = next(line for line in reversed(session.lines) if SUMMARY.match(line))
+    assert "1 failed, 2 passed, 1 rerun" in summary, summary
+    runs = (pytester.path / "pids" / "test_stuck").read_text().split()[1::2]
+    assert len(runs) == 2, runs  # two workers, one run each
+    assert session.report is not None
+    ended = [r for r in session.report["expired"] if r["nodeid"] == "test_s.py::test_stuck"]
+    assert len(ended) == 2 and all(re.fullmatch(HARD, r["action"]) for r in ended), ended
+    assert_all_gone(session, all_pids(pytester) | {r["pid"] for r in ended})

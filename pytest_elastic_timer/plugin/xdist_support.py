@@ -15,6 +15,7 @@ reported once.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -37,6 +38,7 @@ ADDRESS_KEY = "elastic_timer_address"
 BUDGETS_KEY = "elastic_timer_budgets"  # a worker's marked tests' budgets, in its output
 SCOPE_PROPERTY = "elastic_timer_scope"
 HARD_ACTIONS = ("terminated", "killed")
+RERUNS_FILE = "reruns"  # in the session directory: a line per run allowed again
 # A test may replace time's functions with mocks, and what the plugin does inside that
 # test (or inside a session that test runs) must not call them.
 _sleep = unpatched.sleep
@@ -121,7 +123,9 @@ def pytest_testnodedown(node: Any, error: Any) -> None:
             state.budgets.reported[str(nodeid)] = tuple(budgets)
 
 
-@pytest.hookimpl(optionalhook=True)
+# trylast: a plugin that runs the test again (pytest-rerunfailures) has said so in
+# ``report.outcome`` by then.
+@pytest.hookimpl(optionalhook=True, trylast=True)
 def pytest_handlecrashitem(crashitem: str, report: pytest.TestReport, sched: Any) -> None:
     config: pytest.Config = sched.config
     state = config.stash.get(SESSION, None)
@@ -141,7 +145,12 @@ def pytest_handlecrashitem(crashitem: str, report: pytest.TestReport, sched: Any
         record = wait_for_record(config, records_path, crashitem, worker, 0.0)
     if record is None:
         return
-    _mark_done(sched, crashitem)
+    outcome: str = report.outcome  # pytest's type knows only its own three outcomes
+    again = outcome == "rerun"  # queued again by another plugin, on purpose
+    if again:
+        _run_again(state.watchdog.directory, crashitem)
+    else:
+        _mark_done(sched, crashitem)
     path, domain = crashitem.split("::", 1)[0], crashitem.split("::")[-1]
     report.when = phase_of(record, domain)
     lineno = max(record.line - 1, 0) if record.file.endswith(path) else None
@@ -152,8 +161,15 @@ def pytest_handlecrashitem(crashitem: str, report: pytest.TestReport, sched: Any
     report.user_properties.append((SCOPE_PROPERTY, record.scope))
     if record.scope == SESSION_SCOPE:
         _stop_the_session(config, f"{record.line_text()} ({record.worker})")
-    else:
+    elif not again:
         _count_the_failure(config)
+
+
+def _run_again(directory: str, nodeid: str) -> None:
+    """Let a worker run ``nodeid`` once more although the watchdog ended it (see
+    :class:`EndedTests`): a line per run allowed, in the session directory."""
+    with unpatched.open(os.path.join(directory, RERUNS_FILE), "a", encoding="utf-8") as f:
+        f.write(nodeid + "\n")
 
 
 def _stop_the_session(config: pytest.Config, reason: str) -> None:
@@ -231,24 +247,39 @@ def _keep_replacements_busy(sched: Any) -> None:
 
 # -- worker --------------------------------------------------------------------------
 class EndedTests:
-    """The nodeids whose process the watchdog ended, read from its records file."""
+    """The nodeids whose process the watchdog ended, read from its records file, less
+    the runs the controller allowed again (a test that pytest-rerunfailures runs once
+    more): ended more often than allowed again."""
 
     def __init__(self, records_path: str) -> None:
         self.path = records_path
-        self.size = -1
+        self.reruns_path = os.path.join(os.path.dirname(records_path), RERUNS_FILE)
+        self.sizes = (-1, -1)
         self.nodeids: set[str] = set()
 
     def __contains__(self, nodeid: str) -> bool:
-        try:
-            size = os.stat(self.path).st_size
-        except OSError:
+        sizes = (_size(self.path), _size(self.reruns_path))
+        if sizes[0] <= 0:
             return False
-        if size != self.size:
-            self.size = size
-            self.nodeids = {
+        if sizes != self.sizes:
+            self.sizes = sizes
+            ended = Counter(
                 r.nodeid for r in records.read_records(self.path) if r.action in HARD_ACTIONS
-            }
+            )
+            try:
+                with unpatched.open(self.reruns_path, encoding="utf-8") as f:
+                    allowed = Counter(line.rstrip("\n") for line in f)
+            except OSError:
+                allowed = Counter()
+            self.nodeids = {n for n, times in ended.items() if times > allowed[n]}
         return nodeid in self.nodeids
+
+
+def _size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
 
 
 ENDED = pytest.StashKey[EndedTests]()
