@@ -15,7 +15,7 @@ import time
 
 import psutil
 import pytest
-from helpers import top_level_environment, wait_gone
+from helpers import LEAN, top_level_environment, wait_gone
 
 import pytest_elastic_timer
 
@@ -878,3 +878,84 @@ def test_a_faked_file_system_leaves_the_plugin_the_real_one(
             [f"*scope '{test}::call/{scope}' expired after 0.3*s (budget 0.3s)*"]
         )
     result.stdout.fnmatch_lines(["*test_leaves_a_process_with_the_file_system_faked left 1*"])
+
+
+# A suite that never uses the plugin, one of whose tests leaves processes running on
+# purpose (a server kept for later tests, say): a child, and a double-forked daemon.
+LEAVES_PROCESSES = """
+import os
+import subprocess
+import sys
+import time
+
+SERVERS = []
+
+
+def test_starts_a_server():
+    SERVERS.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+    daemon = subprocess.run(
+        ["sh", "-c", "sleep 60 > /dev/null 2>&1 & echo $!"], capture_output=True, text=True
+    )
+    with open("daemon.pid", "w") as f:
+        f.write(daemon.stdout.strip())
+
+
+def test_uses_it():
+    assert SERVERS[0].poll() is None
+    with open("daemon.pid") as f:
+        daemon = int(f.read())
+    with open(f"/proc/{daemon}/stat") as f:
+        ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+    SERVERS[0].kill()
+    SERVERS[0].wait()
+    os.kill(daemon, 9)
+    if ppid == os.getpid():
+        os.waitpid(daemon, 0)
+    # Orphaned, it went where it would go without the plugin: not to pytest.
+    assert ppid != os.getpid()
+"""
+
+
+@pytest.mark.parametrize(
+    "uses",
+    ["nothing", "a marker", "an option", "a scope"],
+    ids=["untouched", "marker", "option", "scope"],
+)
+def test_a_suite_that_does_not_use_the_plugin_may_leave_processes_running(
+    pytester: pytest.Pytester, uses: str
+) -> None:
+    """A suite that never uses the plugin gets no leak warning (an error under
+    ``filterwarnings = error``), no second's wait after such a test, and no subreaper:
+    an orphan goes where it would go without the plugin. Once the session uses the
+    plugin (a marker, one of its options, a scope), the default names them."""
+    pytester.makeini("[pytest]\nfilterwarnings = error\n")
+    source = LEAVES_PROCESSES
+    if uses == "a marker":
+        source = "import pytest\n" + source.replace(
+            "def test_uses_it", "@pytest.mark.expires(30)\ndef test_uses_it"
+        )
+    if uses == "a scope":
+        source = source.replace(
+            "def test_starts_a_server():\n",
+            "def test_starts_a_server():\n"
+            "    import pytest_elastic_timer\n\n"
+            "    with pytest_elastic_timer.expires(30, scope='start'):\n"
+            "        pass\n",
+        )
+    pytester.makepyfile(test_leaves=source)
+    extra = ["--elastic-timer-grace=2"] if uses == "an option" else []
+    with top_level_environment():
+        result = pytester.runpytest_subprocess(*LEAN, "-rA", *extra)
+    if uses == "nothing":
+        result.assert_outcomes(passed=2)
+        assert "left 2 process(es) running" not in result.stdout.str()
+    elif uses == "a scope":
+        # Used from the scope on: the first test's leftover child is named (an error
+        # under the strict ini); its orphan was gone before, where it goes without us.
+        result.assert_outcomes(passed=2, errors=1)
+        result.stdout.fnmatch_lines(["*test_starts_a_server left 1 process(es) running*"])
+    else:
+        # Used from the start: the first test's leftovers are named, and pytest
+        # adopted the orphan.
+        result.assert_outcomes(passed=1, failed=1, errors=1)
+        result.stdout.fnmatch_lines(["*test_starts_a_server left 2 process(es) running*"])

@@ -96,6 +96,7 @@ class BudgetBook:
         self.errors: dict[pytest.Item, str] = {}
         # Scaled budgets of marked tests that ran in other processes (xdist workers).
         self.reported: dict[str, ScaledBudgets] = {}
+        self.has_markers = False  # a test of this process has an expires marker
 
     def add_items(self, nodes: Iterable[Any]) -> None:
         """Give each item of ``nodes`` its budgets, or its error for a bad marker; the
@@ -140,6 +141,7 @@ class BudgetBook:
         return budgets
 
     def _marked(self, item: pytest.Item, mark: pytest.Mark) -> Budgets:
+        self.has_markers = True
         budgets = parse_marker(item.nodeid, mark.args, mark.kwargs)
         if budgets.phased:
             self.on_phased()

@@ -25,7 +25,7 @@ from pytest_elastic_timer.plugin.budgets import BudgetBook, Budgets
 from pytest_elastic_timer.plugin.fixtures import elastic_timer as elastic_timer
 from pytest_elastic_timer.plugin.fixtures import elastic_timer_server as elastic_timer_server
 from pytest_elastic_timer.plugin.hookspecs import SessionFacts
-from pytest_elastic_timer.plugin.options import MARKER, add_options, read_settings
+from pytest_elastic_timer.plugin.options import MARKER, add_options, any_given, read_settings
 from pytest_elastic_timer.plugin.running import watch_failures
 from pytest_elastic_timer.plugin.state import (
     SESSION,
@@ -85,7 +85,11 @@ def pytest_configure(config: pytest.Config) -> None:
 
     state.expiry_listener = on_expiry
     scopes.expiry_listeners.append(state.expiry_listener)
-    state.leave_leaks = leaks.enter_session(adopt=settings.leaks != "off")
+    watch = state.leak_watch = leaks.Watch()
+    state.leave_leaks = watch.leave
+    state.used = any_given(config)
+    if settings.leaks in ("warn", "kill") or (settings.leaks == "auto" and state.used):
+        watch.adopt_orphans()
     if is_worker(config):
         xdist_support = _register_xdist_hooks(config)
         xdist_support.configure_worker(config)

@@ -11,11 +11,9 @@ compared as bytes.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import os
 import threading
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pytest_elastic_timer.core import afterfork, unpatched
@@ -38,8 +36,11 @@ _PR_GET_CHILD_SUBREAPER = 37
 
 @functools.cache
 def _prctl() -> Any:
-    # The process's own symbols include libc's: ctypes.util.find_library would run
-    # ldconfig in a subprocess.
+    # Loaded by the first session that adopts orphans: one that does not never pays
+    # for ctypes. The process's own symbols include libc's: ctypes.util.find_library
+    # would run ldconfig in a subprocess.
+    import ctypes
+
     return ctypes.CDLL(None, use_errno=True).prctl
 
 
@@ -62,38 +63,60 @@ def is_subreaper() -> bool:
     if not os.path.exists("/proc/self/task"):
         return False
     try:
+        import ctypes
+
         flag = ctypes.c_int(0)
         return bool(_prctl()(_PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0) == 0 and flag)
     except (OSError, AttributeError):
         return False
 
 
-def enter_session(*, adopt: bool) -> Callable[[], None]:
-    """Make this process ready to look for leaks (a subreaper when ``adopt``); returns
-    the function that leaves it as it was found, for a session run inside a test of
-    another: the subreaper flag off again if it was off (orphans adopted meanwhile stay
-    children: the kernel has no way back), the procfs files this session opened closed.
-    """
-    was_subreaper = is_subreaper()
-    files = dict(_children_fds)
-    main = _main_children[0]
-    if adopt and not was_subreaper:
-        become_subreaper()
+class Watch:
+    """This process, ready to look for the leaks of a session's tests: made a
+    subreaper when the session asks for it (:meth:`adopt_orphans`), and left as it was
+    found (:meth:`leave`), for a session run inside a test of another."""
 
-    def leave() -> None:
+    def __init__(self) -> None:
+        self.adopting = False
+        self._was_subreaper = False
+        self._files = dict(_children_fds)
+        self._main = _main_children[0]
+
+    def adopt_orphans(self) -> None:
+        """Become a subreaper (once): orphaned descendants are adopted from now on."""
+        if not self.adopting:
+            self.adopting = True
+            self._was_subreaper = is_subreaper()
+            if not self._was_subreaper:
+                become_subreaper()
+
+    def leave(self) -> None:
+        """The subreaper flag off again if it was off (orphans adopted meanwhile stay
+        children: the kernel has no way back), the procfs files this session opened
+        closed."""
         reap_adopted()
-        if adopt and not was_subreaper:
+        if self.adopting and not self._was_subreaper:
             _set_subreaper(0)
-        opened = [k for k, fd in _children_fds.items() if files.get(k) != fd]
+        opened = [k for k, fd in _children_fds.items() if self._files.get(k) != fd]
         for key in opened:
             with contextlib.suppress(OSError):
                 os.close(_children_fds.pop(key))
-        if _main_children[0] != main:
+        if _main_children[0] != self._main:
             with contextlib.suppress(OSError):
                 os.close(_main_children[0])
-            _main_children[0] = main
+            _main_children[0] = self._main
 
-    return leave
+
+def joined_the_session(directory: str, pids: set[int]) -> bool:
+    """Whether any of ``pids`` entered a scope of the session in ``directory`` (its
+    scope table is there)."""
+    try:
+        names = os.listdir(directory) if directory else []
+    except OSError:
+        return False
+    return any(
+        name.split("-")[1] in {str(p) for p in pids} for name in names if name.startswith("table-")
+    )
 
 
 _children_fds: dict[tuple[int, str], int] = {}  # (pid, task) -> open procfs fd

@@ -21,7 +21,8 @@ HELP = {
     "trace": "write a Chrome/Perfetto trace of all scopes to this path.",
     "session": "budget in seconds for the whole session, phases outside tests included (0 = none).",
     "leaks": "what to do with processes a test started in its call phase and left running "
-    "after its teardown: warn (default), kill (also warns), or off.",
+    "after its teardown: warn, kill (also warns), off, or auto (default: warn once the "
+    "session uses the plugin, else leave the session untouched).",
     "slow": "list a test phase as SLOW in the terminal summary once it used this fraction "
     "of its budget (default 0.8; 0 = off).",
 }
@@ -48,7 +49,7 @@ NUMBER_METAVARS = ("SECONDS", "FACTOR", "FRACTION")
 INI_NUMBERS = pytest.version_tuple >= (9, 2)
 DEFAULT_GRACE = 2.0
 DEFAULT_SLOW = 0.8
-LEAK_MODES = ("kill", "warn", "off")
+LEAK_MODES = ("kill", "warn", "off", "auto")
 
 
 class Settings(NamedTuple):
@@ -60,7 +61,7 @@ class Settings(NamedTuple):
     report: str | None = None
     trace: str | None = None  # absolute
     session: float = 0.0
-    leaks: str = "warn"
+    leaks: str = "auto"
     slow: float = DEFAULT_SLOW
 
 
@@ -85,6 +86,12 @@ def option(config: pytest.Config, name: str) -> tuple[str, Any]:
     if value not in (None, ""):
         return f"ini option {name!r}", value
     return "", None
+
+
+def any_given(config: pytest.Config) -> bool:
+    """Whether any of the plugin's options is given, on the command line or in the ini
+    file: the session asks for the plugin."""
+    return any(option(config, ini)[1] is not None for _, ini, _, _ in OPTIONS)
 
 
 def read_settings(config: pytest.Config) -> Settings:
@@ -131,6 +138,6 @@ def read_settings(config: pytest.Config) -> Settings:
         report=path("elastic_timer_report"),
         trace=os.path.abspath(trace) if (trace := path("elastic_timer_trace")) else None,
         session=seconds("expires_session", 0.0),
-        leaks=choice("elastic_timer_leaks", LEAK_MODES, "warn"),
+        leaks=choice("elastic_timer_leaks", LEAK_MODES, "auto"),
         slow=fraction("elastic_timer_slow", DEFAULT_SLOW),
     )

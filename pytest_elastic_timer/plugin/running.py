@@ -22,7 +22,7 @@ from pytest_elastic_timer.core import unpatched
 from pytest_elastic_timer.plugin import leaks
 from pytest_elastic_timer.plugin.budgets import Budgets
 from pytest_elastic_timer.plugin.lifecycle import watchdog_lost
-from pytest_elastic_timer.plugin.state import SESSION, SessionState
+from pytest_elastic_timer.plugin.state import SESSION, SessionState, session_directory
 from pytest_elastic_timer.scope import scopes
 from pytest_elastic_timer.scope.scopes import TimerRequest
 
@@ -148,6 +148,8 @@ class RunningTest:
         if not new:
             return
         if not self.interrupted:
+            if not state.warns_of_leaks(session_directory(self.item.config), new):
+                return  # a session that does not use the plugin: left as it is
             new = leaks.still_running_after(new)
             if not new:
                 return
@@ -254,6 +256,7 @@ def call(item: pytest.Item) -> Generator[None, None, None]:
         return (yield from _call_of_unknown_test(item))
     budgets = running.state.budgets.by_item.get(item) or budgets_or_fail(item)
     if running.state.settings.leaks != "off":
+        running.state.watch_for_leaks()
         running.children = leaks.snapshot()
     running.switch("call", named=budgets.call is None)
     try:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from pytest_elastic_timer.core import unpatched
-from pytest_elastic_timer.plugin import launcher
+from pytest_elastic_timer.plugin import launcher, leaks
 from pytest_elastic_timer.plugin.budgets import BudgetBook
 from pytest_elastic_timer.plugin.options import Settings
 from pytest_elastic_timer.plugin.torch_timer_file import TorchTimerFile
@@ -57,6 +57,9 @@ class SessionState:
         # What leaves the process as the session found it (a pytest run inside a test).
         self.put_back_scopes: Callable[[], None] = _nothing
         self.leave_leaks: Callable[[], None] = _nothing
+        self.leak_watch: leaks.Watch | None = None
+        # Whether the session uses the plugin (see uses_plugin); once True, it stays.
+        self.used = False
         # Failed tests and the expired scopes that failed them (controller or only
         # process).
         self.expired: dict[str, list[records.ExpiryRecord]] = {}
@@ -71,6 +74,34 @@ class SessionState:
                 path if path.startswith("/") else f"{self.rootdir}/{path}"
             )
         return file
+
+    def uses_plugin(self) -> bool:
+        """Whether the session uses the plugin so far: one of its options given (see
+        ``used``), a test of this process with an ``expires`` marker, or a scope
+        entered by code of this process. A session that does not is left untouched by
+        the default leak check (``auto``)."""
+        if not self.used:
+            process = scopes.current_state()
+            self.used = self.budgets.has_markers or (
+                process is not None and process.entered_scopes_of_its_own
+            )
+        return self.used
+
+    def watch_for_leaks(self) -> None:
+        """Before a test's call phase: under ``auto``, adopt orphaned descendants from
+        the first test on which the session uses the plugin."""
+        watch = self.leak_watch
+        if watch is not None and not watch.adopting and self.uses_plugin():
+            watch.adopt_orphans()
+
+    def warns_of_leaks(self, directory: str, pids: set[int]) -> bool:
+        """Whether the processes ``pids`` a test left running are named: always under
+        ``warn`` and ``kill``; under ``auto``, once the session uses the plugin, or when
+        one of them entered a scope of the session (its table is in ``directory``)."""
+        mode = self.settings.leaks
+        if mode != "auto":
+            return mode != "off"
+        return self.uses_plugin() or leaks.joined_the_session(directory, pids)
 
 
 def _nothing() -> None:

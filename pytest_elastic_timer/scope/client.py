@@ -205,6 +205,9 @@ class ProcessState:
         self.paths: dict[tuple[str, str], str] = {}
         self.nodeid = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
         self.nodeid_sid = 0
+        # Code entered a scope at a call site of its own (not a test phase's scope,
+        # which the plugin enters at the test's definition): the process uses scopes.
+        self.entered_scopes_of_its_own = False
         self.warned = False
         # Trace events (path, start, end, thread, nodeid, expired) while the session
         # writes a trace timeline; None otherwise (the hot path checks only that).
@@ -607,6 +610,8 @@ class ProcessState:
         # Entered by contextlib (ExitStack.enter_context): the site is the caller's
         # frame that asked for it. contextlib's one call site serves every such scope,
         # so it never goes into the fast cache, keyed by the frame that called it.
+        if at is None:
+            self.entered_scopes_of_its_own = True
         relayed = at is None and frame.f_code.co_filename == _CONTEXTLIB_FILE
         if relayed:
             frame = _user_frame(frame)
