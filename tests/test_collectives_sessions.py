@@ -44,7 +44,7 @@ TORCH_TIMEOUT = 300  # an inner session of several torch rank pairs on a loaded 
 TORCH_BUDGET = 400
 
 RANKS = '''
-"""Ranks of the inner tests: torch only, never pytest_elastic_timer."""
+"""Ranks of the inner tests: torch only, pytest_elastic_timer only in missing_in_rank."""
 import os
 import re
 import sys
@@ -77,6 +77,17 @@ def missing(rank, port):
     if rank == 1:
         time.sleep(3600)  # rank 1 never reaches all_reduce #3
     dist.all_reduce(torch.ones(4))  # all_reduce #3: rank 0 waits here
+
+
+def missing_in_rank(rank, port):
+    import pytest_elastic_timer as et
+
+    join(rank, port, "test_missing_in_rank")
+    dist.all_reduce(torch.ones(4))  # all_reduce #1
+    if rank == 1:
+        time.sleep(3600)  # rank 1 never reaches the timed all_reduce #2
+    with et.expires(after=1, scope="step"):
+        dist.all_reduce(torch.ones(4))  # timed all_reduce #2: rank 0 waits here
 
 
 def desync(rank, port):
@@ -169,6 +180,16 @@ def test_missing():
         with et.expires(after=2, scope="collective"):
             while not ctx.join(timeout=0.05):
                 pass
+    finally:
+        end(ctx)
+
+
+@pytest.mark.expires(120)
+def test_missing_in_rank():
+    ctx = start(ranks.missing_in_rank)
+    try:
+        while not ctx.join(timeout=0.05):  # raises once the watchdog ended rank 0
+            pass
     finally:
         end(ctx)
 
@@ -293,7 +314,7 @@ def line_of(directory: Path, marker: str) -> int:
 def test_the_sessions_outcomes(spawned: tuple[Path, Session]) -> None:
     _, session = spawned
     assert "INTERNALERROR" not in session.text
-    session.result.assert_outcomes(failed=3, passed=2)
+    session.result.assert_outcomes(failed=4, passed=2)
 
 
 @pytest.mark.expires(TORCH_BUDGET)
@@ -336,6 +357,31 @@ def test_a_rank_that_never_reaches_all_reduce_is_named_missing(
     block = failure_block(session, "test_missing")
     stacks = sections(block, "elastic-timer: stack of rank 1, pid")
     assert len(stacks) == 1 and f"line {sleep} in missing" in stacks[0], block
+
+
+@pytest.mark.expires(TORCH_BUDGET)
+def test_a_rank_that_times_its_own_step_is_told_where_the_missing_rank_is(
+    spawned: tuple[Path, Session],
+) -> None:
+    """The scope is rank 0's own, so rank 1 is no process below its owner: it is a
+    peer of rank 0's world, whose stack is taken with rank 0's and says where it is."""
+    directory, session = spawned
+    record = record_of(session, "test_missing_in_rank")
+    assert record["scope"] == "step" and record["label"] == "rank 0", record
+    assert (record["collective"]["waiting"], record["collective"]["missing"]) == ([0], [1])
+    (peer,) = record["peers"]
+    assert peer["label"] == "rank 1"
+    assert peer["pid"] == rank_pids(directory, "test_missing_in_rank")[1]
+    sleep = line_of(directory, "never reaches the timed all_reduce #2")
+    assert f"line {sleep} in missing_in_rank" in peer["stack"], peer
+    pattern = (
+        r"collective all_reduce #2 \(group default, 2 ranks\): rank 0 waiting \d+\.\ds at "
+        rf"ranks\.py:{line_of(directory, 'timed all_reduce #2: rank 0')}; rank 1 missing, "
+        rf"last completed all_reduce #1, now in missing_in_rank at ranks\.py:{sleep}"
+    )
+    assert re.search(pattern, session.stdout), session.stdout
+    block = failure_block(session, "test_missing_in_rank")
+    assert "elastic-timer: stack of rank 1, pid" in block, block
 
 
 @pytest.mark.expires(TORCH_BUDGET)
@@ -432,7 +478,7 @@ def test_collectives_are_slices_on_each_ranks_track(spawned: tuple[Path, Session
 def test_no_rank_outlives_its_test(spawned: tuple[Path, Session]) -> None:
     directory, _ = spawned
     pids = sorted(int(p.read_text()) for p in (directory / "pids").glob("*.pid"))
-    assert len(pids) == 10, pids  # five tests of two ranks
+    assert len(pids) == 12, pids  # six tests of two ranks
     assert all(wait_gone(pid, 5.0) for pid in pids)
 
 

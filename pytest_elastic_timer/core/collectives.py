@@ -700,6 +700,16 @@ def collective_for(
     return align([as_of(r, moment) for r in world_of(seeds, others)], moment, gone)
 
 
+def peers_of(directory: str, pids: Collection[int]) -> list[int]:
+    """The live processes of the other ranks of the worlds that ``pids`` are ranks of
+    (the rank that owns a scope is not the parent of the ranks it waits for)."""
+    seeds = [r for r in newest_per_pid(read_rings(ring_paths(directory, pids))) if r.rank >= 0]
+    if not any(r.world_id for r in seeds):
+        return []
+    world = world_of(seeds, read_rings(ring_paths(directory)))
+    return [r.pid for r in world if r.pid not in pids and process_alive(r.pid, r.starttime)]
+
+
 def labels(directory: str, pids: Iterable[int]) -> dict[int, str]:
     """``rank N`` of each of ``pids`` that called init_process_group (by its ring)."""
     return {

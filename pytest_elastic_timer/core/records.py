@@ -44,6 +44,9 @@ class ExpiryRecord:
     # The torch.distributed collective the ranks concerned block in (see
     # core/collectives.align); None when no rank is inside one.
     collective: dict[str, Any] | None = None
+    # The other ranks of the owner's world (not below it), with their stacks at the
+    # expiry: where a missing rank is.
+    peers: list[dict[str, Any]] = field(default_factory=list)
 
     def line_text(self) -> str:
         """The one-line summary shared by every report of this expiry."""
@@ -75,13 +78,17 @@ class ExpiryRecord:
         return data
 
     def rank_stacks(self) -> dict[int, str]:
-        """The stacks of the ranks among the owner and its children, by global rank."""
+        """The stacks of the ranks among the owner, its children and its peers, by
+        global rank."""
         from pytest_elastic_timer.core import collectives  # only records of ranks ask
 
         stacks: dict[int, str] = {}
         for label, stack in (
             (self.label, self.stack),
-            *((str(c.get("label", "")), str(c.get("stack", ""))) for c in self.children),
+            *(
+                (str(c.get("label", "")), str(c.get("stack", "")))
+                for c in (*self.children, *self.peers)
+            ),
         ):
             rank = collectives.rank_of_label(label)
             if rank is not None and stack:

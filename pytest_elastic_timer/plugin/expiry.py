@@ -239,7 +239,7 @@ def _add_process_sections(item: pytest.Item, report: pytest.TestReport) -> None:
 
             line = collectives.collective_line(record.collective, record.rank_stacks())
             report.sections.append(("elastic-timer: collective", line))
-        for child in record.children:
+        for child in [*record.children, *record.peers]:
             if child.get("stack"):
                 who = ", ".join(
                     str(x) for x in (child.get("label"), f"pid {child.get('pid')}") if x

@@ -37,8 +37,10 @@ class CollectivesAmender:
         from pytest_elastic_timer.core import collectives
 
         pids = [record.pid, *(int(c["pid"]) for c in record.children if "pid" in c)]
-        labels = collectives.labels(self.directory, pids)
-        for child in record.children:
+        labels = collectives.labels(
+            self.directory, [*pids, *(int(p["pid"]) for p in record.peers if "pid" in p)]
+        )
+        for child in [*record.children, *record.peers]:
             label = labels.get(int(child.get("pid", 0)))
             if label:  # the rank's own word beats RANK in its environment
                 child["label"] = label

@@ -19,9 +19,11 @@ yields the delay until it looks at the file again, and returns the text.
 from __future__ import annotations
 
 import os
-from collections.abc import Generator
+from collections.abc import Generator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+import psutil
 
 from pytest_elastic_timer.core import startup
 from pytest_elastic_timer.core import table as tbl
@@ -67,17 +69,20 @@ class Dumper:
                 break
         return read_from(owner.dump_path, offset)
 
-    def ask_descendants(self, owner: Owner) -> AskedDumps:
+    def ask_descendants(self, owner: Owner, peers: Iterable[int] = ()) -> AskedDumps:
         """Send the session's dump signal to every process below ``owner`` that has its
-        handler, without waiting: the text is read later (:meth:`AskedDumps.children`)."""
+        handler, and to its ``peers`` (the other ranks of its world), without waiting:
+        the text is read later (:meth:`AskedDumps.children`, :meth:`AskedDumps.peers`)."""
         signum = self.dump_signal
         me = os.getpid()
         asked = AskedDumps(self.clock() + PATIENCE)
         # (the watchdog is pytest's child, but nobody's evidence; a zombie, an earlier
         # test's child that nobody reaped yet, is nothing this test runs)
         below = [p for p in proctree.alive(proctree.descendants(owner.proc)) if p.pid != me]
+        known = {owner.pid, me, *(p.pid for p in below)}
+        beside = [p for p in proctree.alive(_processes(peers)) if p.pid not in known]
         paths: list[tuple[str, int, bool]] = []
-        for proc in below:  # the signals first: the dumps begin while the rest is done
+        for proc in [*below, *beside]:  # the signals first: the dumps begin meanwhile
             path = startup.dump_path(self.directory, proc.pid)
             if signum and startup.catches(proc.pid, signum):
                 offset = _size(path)
@@ -88,10 +93,13 @@ class Dumper:
                 paths.append((path, offset, blocks))
             else:
                 paths.append(("", 0, False))
-        for proc, (path, offset, blocks) in zip(below, paths, strict=True):
+        for index, (proc, (path, offset, blocks)) in enumerate(
+            zip([*below, *beside], paths, strict=True)
+        ):
             info = proctree.describe(proc)
             info["label"] = proctree.label_of(proc)
-            asked.dumps.append(ChildDump(info, path, offset, proc.pid, signum, blocks))
+            dump = ChildDump(info, path, offset, proc.pid, signum, blocks, index >= len(below))
+            asked.dumps.append(dump)
         return asked
 
     def written(self, asked: AskedDumps) -> Generator[float, None, None]:
@@ -122,6 +130,7 @@ class ChildDump:
     pid: int = 0
     signum: int = 0
     main_blocks: bool = False  # its main thread blocked the signal before it was sent
+    peer: bool = False  # another rank of the owner's world, not below the owner
 
     def written(self) -> bool:
         """Whether the dump was written out: the file grew, and the signal is neither
@@ -165,9 +174,19 @@ class AskedDumps:
         return all(d.written() for d in self.waiting())
 
     def children(self) -> list[dict[str, Any]]:
-        """Each process with the stack written so far (where one was asked for)."""
+        """Each process below the owner with the stack written so far (where one was
+        asked for)."""
+        return self._read(peers=False)
+
+    def peers(self) -> list[dict[str, Any]]:
+        """Each peer of the owner with the stack written so far."""
+        return self._read(peers=True)
+
+    def _read(self, *, peers: bool) -> list[dict[str, Any]]:
         out = []
         for dump in self.dumps:
+            if dump.peer != peers:
+                continue
             info = dict(dump.info)
             if dump.path:
                 info["stack"] = read_from(dump.path, dump.offset)
@@ -205,6 +224,16 @@ def trim_dump(text: str, frames: int = DUMP_FRAMES) -> str:
     if dropped:
         out.append(f"  ... {dropped} outer frames")
     return "\n".join(out) + "\n" if out else ""
+
+
+def _processes(pids: Iterable[int]) -> list[psutil.Process]:
+    found = []
+    for pid in pids:
+        try:
+            found.append(psutil.Process(pid))
+        except psutil.Error:
+            pass
+    return found
 
 
 def _size(path: str) -> int:

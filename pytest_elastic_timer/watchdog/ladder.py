@@ -51,6 +51,7 @@ class Ladder:
         root_pid: int,
         read_pending: Callable[[Owner], None],
         ending_root: Callable[[], None],
+        peers_of: Callable[[Owner], list[int]] = lambda owner: [],
     ) -> None:
         self.clock = clock
         self.dumper = dumper
@@ -59,6 +60,7 @@ class Ladder:
         self.root_pid = root_pid  # the pytest process
         self.read_pending = read_pending  # reads what a connected owner sent, unread yet
         self.ending_root = ending_root  # about to end pytest: report now, not after
+        self.peers_of = peers_of  # the other ranks of an owner's world (their pids)
 
     def steps(
         self, owner: Owner, expiry: Expiry, *, interrupt: bool = True, dumps: bool | None = None
@@ -69,9 +71,10 @@ class Ladder:
         table = owner.table
         asked = None
         if interrupt if dumps is None else dumps:
-            asked = self.dumper.ask_descendants(owner)
+            asked = self.dumper.ask_descendants(owner, self.peers_of(owner))
             if asked:
                 expiry.read_children = asked.children
+                expiry.read_peers = asked.peers
                 yield from self.dumper.written(asked)
         interruptible = owner.interruptible()
         by_channel = interrupt and not table.words[tbl.H_INTERRUPT_SIG] and interruptible
@@ -167,6 +170,8 @@ class Ladder:
             expiry.recorded = True
         if expiry.read_children is not None:
             expiry.children = expiry.read_children()
+        if expiry.read_peers is not None:
+            expiry.peers = expiry.read_peers()
         return self.recorder.expired(owner, expiry, action, stack, ended)
 
 

@@ -49,6 +49,8 @@ class Expiry:
     children: list[dict[str, Any]] = field(default_factory=list)  # their stacks at expiry
     # reads the stacks the processes below the owner were asked for (their dump files)
     read_children: Callable[[], list[dict[str, Any]]] | None = None
+    peers: list[dict[str, Any]] = field(default_factory=list)  # other ranks of its world
+    read_peers: Callable[[], list[dict[str, Any]]] | None = None
     recorded: bool = False  # a preliminary record was written
     steps: Generator[float, None, None] | None = None  # the ladder, step by step
 

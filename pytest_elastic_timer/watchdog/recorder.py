@@ -75,6 +75,7 @@ class Recorder:
             # grace, or once the owner's report is read), when the owner may be done.
             phase=expiry.phase or owner.header_text(tbl.H_PHASE_SID),
             children=expiry.children,
+            peers=expiry.peers,
             killed=ended,
             deadline=expiry.deadline,
             ended=now,

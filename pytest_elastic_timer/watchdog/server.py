@@ -103,6 +103,7 @@ class Watchdog:
             root_pid=root.pid,
             read_pending=self._read_pending,
             ending_root=self._ending_root,
+            peers_of=self._peers_of,
         )
         self.scanner = Scanner(self.loop, self.owners, self.ladder, grace)
         self.connections = Connections(
@@ -284,6 +285,18 @@ class Watchdog:
         self.send(
             conn, "welcome", pid=os.getpid(), scale=self.scale, grace=self.grace, trace=self.trace
         )
+
+    def _peers_of(self, owner: Owner) -> list[int]:
+        """The other ranks of the worlds of ``owner`` and the processes below it: the
+        ranks they wait for, whose stacks are taken with theirs."""
+        # Loaded where ranks wrote rings: a session without torch never reads one.
+        from pytest_elastic_timer.core import collectives
+
+        directory = self.owners.directory
+        if not collectives.ring_paths(directory):
+            return []
+        pids = {owner.pid, *(p.pid for p in proctree.descendants(owner.proc))}
+        return collectives.peers_of(directory, pids)
 
     def _ended_processes(self) -> dict[int, float]:
         """When processes of the session are known to have ended (pid -> clock): those
