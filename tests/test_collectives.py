@@ -264,6 +264,7 @@ def test_a_rank_that_never_reaches_all_reduce_is_missing(ranks: Any) -> None:
         "shapes": [[4]],
         "since": pytest.approx(NOW - waiting_start(zero)),
         "group": "default",
+        "peer": -1,
     }
     assert (missing["op"], missing["seq"], missing["state"]) == ("broadcast", 2, "completed")
     line = col.collective_line(found, {1: STACK})
@@ -359,6 +360,7 @@ def test_a_rank_without_a_ring_is_missing_with_no_op(ranks: Any) -> None:
         "shapes": [],
         "since": 0.0,
         "group": "",
+        "peer": -1,
     }
     assert "ranks 0, 1 waiting" in col.collective_line(
         found
@@ -405,6 +407,51 @@ def test_a_recv_whose_sender_never_sent(ranks: Any) -> None:
     assert found is not None
     assert (found["op"], found["seq"], found["waiting"], found["missing"]) == ("recv", 2, [1], [0])
     assert (found["ranks"]["0"]["op"], found["ranks"]["0"]["seq"]) == ("send", 1)
+    line = col.collective_line(found)
+    assert line.startswith("recv #2 from rank 0 (group default): rank 1 waiting "), line
+    assert "rank 0 missing, last completed send #1 to rank 1" in line, line
+
+
+def test_a_send_to_the_wrong_rank_is_named_beside_the_pair_that_waits(ranks: Any) -> None:
+    zero, one, _ = ranks(3)
+    zero.op("send", kind=col.SEND, peer=1, done=False)  # rank 1 receives from 2 instead
+    one.op("recv", kind=col.RECV, peer=2, done=False)
+    found = col.align(rings([zero, one]), NOW)
+    assert found is not None
+    assert (found["op"], found["peer"], found["waiting"], found["missing"]) == ("send", 1, [0], [1])
+    line = col.collective_line(found)
+    assert line.startswith("send #1 to rank 1 (group default): rank 0 waiting "), line
+    assert "rank 1 missing, in recv #1 from rank 2 at train.py:40" in line, line
+
+
+def test_two_ranks_that_both_receive_from_each_other_are_told(ranks: Any) -> None:
+    zero, one = ranks(2)
+    zero.op("recv", kind=col.RECV, peer=1, done=False)
+    one.op("recv", kind=col.RECV, peer=0, done=False)
+    found = col.align(rings([zero, one]), NOW)
+    assert found is not None
+    line = col.collective_line(found)
+    assert "rank 1 missing, in recv #1 from rank 0 at train.py:40" in line, line
+    assert line.endswith("ranks 0 and 1 both receive from each other: nothing matches"), line
+
+
+def test_every_rank_blocked_in_a_point_to_point_op_is_named(ranks: Any) -> None:
+    zero, one, two = ranks(3)
+    one.op("recv", kind=col.RECV, peer=2, done=False)  # first in: waits for rank 2
+    zero.op("all_reduce")
+    zero.op("send", kind=col.SEND, peer=1, done=False)  # then rank 0 waits for rank 1
+    two.op("all_reduce")  # rank 2 is elsewhere
+    found = col.align(rings([zero, one, two]), NOW)
+    assert found is not None
+    assert (found["peer"], found["waiting"], found["missing"], found["blocked"]) == (
+        2,
+        [1],
+        [2],
+        [0],
+    )
+    line = col.collective_line(found)
+    assert line.startswith("recv #1 from rank 2 (group default): rank 1 waiting "), line
+    assert "rank 0 also blocked, in send #1 to rank 1 at train.py:40" in line, line
 
 
 def test_a_rank_that_made_a_new_world_counts_from_its_new_init(ranks: Any) -> None:

@@ -462,6 +462,7 @@ def _rank_view(entry: Entry | None, now: float) -> dict[str, Any]:
             "shapes": [],
             "since": 0.0,
             "group": "",
+            "peer": -1,
         }
     began = entry.start if entry.started or not entry.end else entry.end
     return {
@@ -472,6 +473,7 @@ def _rank_view(entry: Entry | None, now: float) -> dict[str, Any]:
         "shapes": entry.shapes,
         "since": round(max(0.0, now - began), 3),
         "group": entry.group,
+        "peer": entry.peer if entry.kind in (SEND, RECV) else -1,
     }
 
 
@@ -502,7 +504,8 @@ def align(rings: Iterable[Ring], now: float, gone: Collection[int] = ()) -> dict
         blocked.items(), key=lambda item: (item[0] in dead, item[1].start, item[0])
     )
     group, seq = anchor.group, anchor.seq
-    if anchor.kind in (SEND, RECV):
+    point_to_point = anchor.kind in (SEND, RECV)
+    if point_to_point:
         kinds: tuple[int, ...] = (SEND, RECV)
         members = sorted({anchor_rank, *([anchor.peer] if anchor.peer >= 0 else [])})
         here: dict[int, Entry | None] = {anchor_rank: anchor}
@@ -527,6 +530,17 @@ def align(rings: Iterable[Ring], now: float, gone: Collection[int] = ()) -> dict
         if anchor_rank not in members:
             members = sorted({*members, anchor_rank})
         here = {rank: _at(by_rank.get(rank), group, seq, kinds) for rank in members}
+    # Beside a point-to-point pair, every other rank blocked in a point-to-point op of
+    # the group: a chain of sends and receives that waits on the pair.
+    beside = (
+        sorted(
+            rank
+            for rank, entry in blocked.items()
+            if entry.kind in kinds and entry.group == group and rank not in members
+        )
+        if point_to_point
+        else []
+    )
     inside = {rank for rank in members if (e := here.get(rank)) and e.started}
     waiting = sorted(inside - dead)
     died = sorted(inside & dead)
@@ -542,13 +556,13 @@ def align(rings: Iterable[Ring], now: float, gone: Collection[int] = ()) -> dict
     ):
         mismatch = "shape"
     ranks: dict[str, dict[str, Any]] = {}
-    for rank in members:
+    for rank in sorted({*members, *beside}):
         entry = here.get(rank)
         if entry is None:
             rank_ring = by_rank.get(rank)
             entry = (rank_ring.blocked() or rank_ring.last()) if rank_ring else None
         ranks[str(rank)] = _rank_view(entry, now)
-    return {
+    found: dict[str, Any] = {
         "group": group,
         "seq": seq,
         "op": anchor.op,
@@ -558,6 +572,10 @@ def align(rings: Iterable[Ring], now: float, gone: Collection[int] = ()) -> dict
         "mismatch": mismatch,
         "ranks": ranks,
     }
+    if point_to_point:
+        found["peer"] = anchor.peer  # the rank the op sends to or receives from
+        found["blocked"] = beside
+    return found
 
 
 # -- text --------------------------------------------------------------------------
@@ -627,12 +645,10 @@ def collective_line(
         of = f" (group {view['group']})" if view.get("group") not in (None, "", group) else ""
         text = f"rank {rank} missing"
         if state == "completed":
-            text += f", last completed {view.get('op')} #{view.get('seq')}{of}"
+            text += f", last completed {_op_text(view)}{of}"
         elif state == "started":
             site = view.get("site", "")
-            text += f", in {view.get('op')} #{view.get('seq')}{of}" + (
-                f" at {_short(str(site))}" if site else ""
-            )
+            text += f", in {_op_text(view)}{of}" + (f" at {_short(str(site))}" if site else "")
         elif state == "none":
             text += ", no op recorded"
         where = innermost_frame(stacks[rank]) if rank in stacks else ""
@@ -648,12 +664,51 @@ def collective_line(
         parts.append(f"shape mismatch: {shapes}")
     elif mismatch == "op":
         parts.append("op mismatch at this sequence number")
+    for rank in collective.get("blocked", []):
+        view = ranks.get(str(rank), {})
+        site = str(view.get("site", ""))
+        where = f" at {_short(site)}" if site else ""
+        parts.append(f"rank {rank} also blocked, in {_op_text(view)}{where}")
     size = len(ranks)
-    head = (
-        f"collective {collective.get('op')} #{collective.get('seq')} "
-        f"(group {collective.get('group')}, {size} rank{'s' if size != 1 else ''})"
-    )
+    if "peer" in collective:  # a point-to-point op: who meets whom, not a group's size
+        op = _op_text({**collective, "peer": collective["peer"]})
+        head = f"{op} (group {collective.get('group')})"
+        both = _both_ways(collective)
+        if both:
+            parts.append(both)
+    else:
+        head = (
+            f"collective {collective.get('op')} #{collective.get('seq')} "
+            f"(group {collective.get('group')}, {size} rank{'s' if size != 1 else ''})"
+        )
     return f"{head}: {'; '.join(parts)}"
+
+
+def _op_text(view: Mapping[str, Any]) -> str:
+    """``all_reduce #3``, ``send #2 to rank 1``, ``recv #1 from rank 0``."""
+    text = f"{view.get('op')} #{view.get('seq')}"
+    peer = int(view.get("peer", -1))
+    if view.get("op") in ("send", "isend") and peer >= 0:
+        text += f" to rank {peer}"
+    elif view.get("op") in ("recv", "irecv"):
+        text += f" from rank {peer}" if peer >= 0 else " from any rank"
+    return text
+
+
+def _both_ways(collective: Mapping[str, Any]) -> str:
+    """For a point-to-point pair that waits on each other the same way (both receive
+    from, or both send to, the other): says so."""
+    ranks: Mapping[str, Mapping[str, Any]] = collective.get("ranks") or {}
+    pair = [*collective.get("waiting", []), *collective.get("missing", [])]
+    if len(pair) != 2:
+        return ""
+    a, b = (ranks.get(str(r), {}) for r in pair)
+    if a.get("state") != "started" or b.get("state") != "started" or a.get("op") != b.get("op"):
+        return ""
+    if a.get("peer") != pair[1] or b.get("peer") != pair[0]:
+        return ""
+    verb = "receive from" if str(a.get("op")).endswith("recv") else "send to"
+    return f"ranks {pair[0]} and {pair[1]} both {verb} each other: nothing matches"
 
 
 def rank_of_label(label: str) -> int | None:
