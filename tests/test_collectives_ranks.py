@@ -235,11 +235,28 @@ dist.destroy_process_group()
 """
 
 
-def test_env_style_ranks_are_recorded_as_one_world(tmp_path: Path) -> None:
+# The same ranks, meeting through a store of their own wrapped in a PrefixStore.
+PREFIXED_STORE = ENV_RANK.replace(
+    'dist.init_process_group("gloo")  # rank, world size and address from the environment',
+    """import datetime
+import os
+
+rank = int(os.environ["RANK"])
+tcp = dist.TCPStore(
+    "127.0.0.1", int(os.environ["MASTER_PORT"]), 2, rank == 0,
+    timeout=datetime.timedelta(seconds=60),
+)
+dist.init_process_group("gloo", store=dist.PrefixStore("job", tcp), rank=rank, world_size=2)""",
+)
+
+
+@pytest.mark.parametrize("program_text", [ENV_RANK, PREFIXED_STORE], ids=["env", "prefix_store"])
+def test_env_style_ranks_are_recorded_as_one_world(tmp_path: Path, program_text: str) -> None:
     """Ranks started the way torchrun starts them: RANK, WORLD_SIZE, MASTER_ADDR and
-    MASTER_PORT in their environment, init_process_group without arguments."""
+    MASTER_PORT in their environment, init_process_group without arguments; or with a
+    store of their own in a PrefixStore, which names the place of the store it wraps."""
     program = tmp_path / "program.py"
-    program.write_text(ENV_RANK, encoding="utf-8")
+    program.write_text(program_text, encoding="utf-8")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -266,7 +283,8 @@ def test_env_style_ranks_are_recorded_as_one_world(tmp_path: Path) -> None:
     assert [(r.rank, r.world, r.label, r.pid) for r in rings] == [
         (rank, 2, f"rank {rank}", proc.pid) for rank, proc in enumerate(procs)
     ]
-    assert {r.world_id for r in rings} == {f"tcp://127.0.0.1:{port}"}
+    world = f"tcp://127.0.0.1:{port}" if program_text == ENV_RANK else f"TCPStore:127.0.0.1:{port}"
+    assert {r.world_id for r in rings} == {world}
     for ring in rings:
         assert [(e.op, e.seq, e.state) for e in ring.entries] == [
             ("init_process_group", 0, col.COMPLETED),

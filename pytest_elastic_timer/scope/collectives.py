@@ -285,6 +285,13 @@ def _world_id(init_method: Any, store: Any) -> str:
     if isinstance(init_method, str) and init_method and not init_method.startswith("env://"):
         return init_method
     if store is not None:
+        # A PrefixStore (torchrun's, or the program's own) names no place of its own:
+        # the store it wraps does. Its prefix is the same text on every rank.
+        for _ in range(8):
+            inner = getattr(store, "underlying_store", None)
+            if inner is None:
+                break
+            store = inner
         for attrs in (("host", "port"), ("path",)):
             values = [getattr(store, a, None) for a in attrs]
             if all(v is not None for v in values):
