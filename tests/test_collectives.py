@@ -643,7 +643,7 @@ def test_a_rank_that_died_in_an_op_is_told_apart_from_one_that_exited(ranks: Any
     one.writer.mark_exited()
     found = col.rings_of_test(str(zero.ring().path.rsplit("/", 1)[0]), "test_x.py::test_died")
     assert [r.rank for r in found] == [0, 1]
-    assert [col.died_in_an_op(r) for r in found] == [True, False]
+    assert [col.died(r) for r in found] == [True, False]
     text = col.ranks_text(found, NOW).splitlines()
     assert text[0].startswith(
         f"rank 0, pid {found[0].pid} (died): in all_reduce #2 (group default) at "

@@ -90,6 +90,14 @@ def missing_in_rank(rank, port):
         dist.all_reduce(torch.ones(4))  # timed all_reduce #2: rank 0 waits here
 
 
+def crashed(rank, port):
+    join(rank, port, "test_crashed")
+    dist.all_reduce(torch.ones(4))  # all_reduce #1
+    if rank == 1:
+        os._exit(3)  # rank 1 crashes; mp.spawn then ends rank 0, in no op either
+    time.sleep(3600)
+
+
 def desync(rank, port):
     join(rank, port, "test_desync")
     dist.broadcast(torch.ones(4), 0)  # broadcast #1
@@ -189,6 +197,16 @@ def test_missing_in_rank():
     ctx = start(ranks.missing_in_rank)
     try:
         while not ctx.join(timeout=0.05):  # raises once the watchdog ended rank 0
+            pass
+    finally:
+        end(ctx)
+
+
+@pytest.mark.expires(120)
+def test_crashed():
+    ctx = start(ranks.crashed)
+    try:
+        while not ctx.join(timeout=0.05):  # raises once a rank has failed
             pass
     finally:
         end(ctx)
@@ -314,7 +332,7 @@ def line_of(directory: Path, marker: str) -> int:
 def test_the_sessions_outcomes(spawned: tuple[Path, Session]) -> None:
     _, session = spawned
     assert "INTERNALERROR" not in session.text
-    session.result.assert_outcomes(failed=4, passed=2)
+    session.result.assert_outcomes(failed=5, passed=2)
 
 
 @pytest.mark.expires(TORCH_BUDGET)
@@ -382,6 +400,19 @@ def test_a_rank_that_times_its_own_step_is_told_where_the_missing_rank_is(
     assert re.search(pattern, session.stdout), session.stdout
     block = failure_block(session, "test_missing_in_rank")
     assert "elastic-timer: stack of rank 1, pid" in block, block
+
+
+@pytest.mark.expires(TORCH_BUDGET)
+def test_a_rank_that_crashed_outside_an_op_is_named_with_its_last_op(
+    spawned: tuple[Path, Session],
+) -> None:
+    """No scope expired, and no rank died inside an op: rank 1 ended through os._exit
+    after its first op. The failure says which rank died, after which op."""
+    directory, session = spawned
+    block = failure_block(session, "test_crashed")
+    (text,) = sections(block, "elastic-timer: collectives of the test's ranks")
+    one = rank_pids(directory, "test_crashed")[1]
+    assert f"rank 1, pid {one} (died): no op in progress; last completed all_reduce #1" in text
 
 
 @pytest.mark.expires(TORCH_BUDGET)
@@ -478,7 +509,7 @@ def test_collectives_are_slices_on_each_ranks_track(spawned: tuple[Path, Session
 def test_no_rank_outlives_its_test(spawned: tuple[Path, Session]) -> None:
     directory, _ = spawned
     pids = sorted(int(p.read_text()) for p in (directory / "pids").glob("*.pid"))
-    assert len(pids) == 12, pids  # six tests of two ranks
+    assert len(pids) == 14, pids  # seven tests of two ranks
     assert all(wait_gone(pid, 5.0) for pid in pids)
 
 

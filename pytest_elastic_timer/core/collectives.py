@@ -784,13 +784,9 @@ def rings_of_test(directory: str, nodeid: str) -> list[Ring]:
     return [chosen[rank] for rank in sorted(chosen)]
 
 
-def died_in_an_op(ring: Ring) -> bool:
-    """The process ended without exiting (killed, aborted) while inside an op."""
-    return (
-        not ring.exited
-        and ring.blocked() is not None
-        and not process_alive(ring.pid, ring.starttime)
-    )
+def died(ring: Ring) -> bool:
+    """The process ended without exiting (killed, aborted, ``os._exit``)."""
+    return not ring.exited and not process_alive(ring.pid, ring.starttime)
 
 
 def ranks_text(rings: list[Ring], now: float) -> str:

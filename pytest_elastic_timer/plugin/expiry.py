@@ -253,15 +253,16 @@ def _add_process_sections(item: pytest.Item, report: pytest.TestReport) -> None:
 
 
 def _add_collective_sections(item: pytest.Item, report: pytest.TestReport) -> None:
-    """A rank of the test died inside an op (gloo aborts a rank on some mismatches):
-    what each of the test's ranks was in, from their rings."""
+    """A rank of the test died (gloo aborts a rank on some mismatches; a rank that
+    crashed, or called ``os._exit``, takes the others down with it): what each of the
+    test's ranks was in, from their rings."""
     directory = session_directory(item.config)
     if not directory:
         return
     from pytest_elastic_timer.core import collectives  # a failed test's, once
 
     found = collectives.rings_of_test(directory, item.nodeid)
-    if any(collectives.died_in_an_op(ring) for ring in found):
+    if any(collectives.died(ring) for ring in found):
         report.sections.append(
             (
                 "elastic-timer: collectives of the test's ranks",
