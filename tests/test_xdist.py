@@ -758,3 +758,47 @@ def test_a_plugin_may_run_a_test_whose_worker_was_ended_again(
     ended = [r for r in session.report["expired"] if r["nodeid"] == "test_s.py::test_stuck"]
     assert len(ended) == 2 and all(re.fullmatch(HARD, r["action"]) for r in ended), ended
     assert_all_gone(session, all_pids(pytester) | {r["pid"] for r in ended})
+
+
+THREAD_OUTLIVES_ITS_TEST = """
+import threading
+import time
+
+import pytest
+import pytest_elastic_timer as et
+
+
+@pytest.mark.expires(1)
+def test_leaves_a_blocked_scope():
+    blocked = threading.Event()
+
+    def wait():
+        with et.expires(0.3, scope="in-thread"):
+            blocked.wait(10)  # in C: the thread takes no interrupt
+
+    threading.Thread(target=wait, daemon=True).start()
+    time.sleep(30)
+
+
+def test_next():
+    time.sleep(5)  # runs when the watchdog ends the worker for the thread's scope
+"""
+
+
+def test_a_worker_ended_for_an_earlier_tests_scope_is_reported_by_that_scope(
+    pytester: pytest.Pytester,
+) -> None:
+    """A thread's scope outlives its test and the watchdog ends the worker while the
+    next test runs: that test is reported by the scope that ended the worker (its
+    record names the test that entered it), not as a bare "worker crashed"."""
+    pytester.makepyfile(test_t=THREAD_OUTLIVES_ITS_TEST)
+    session = run(pytester, "-p", "xdist", "-n", "1", "--elastic-timer-grace=1", "-rA")
+    session.assert_clean()
+    assert "crashed while running" not in session.text, session.text
+    assert set(results(session)) == {
+        ("TIMEOUT", "test_t.py::test_leaves_a_blocked_scope"),
+        ("TIMEOUT", "test_t.py::test_next"),
+    }, session.text
+    block = failure_block(session, "test_next")
+    assert "scope 'in-thread' expired after" in block, block
+    assert "  test:    test_t.py::test_leaves_a_blocked_scope" in block, block

@@ -93,23 +93,42 @@ def wait_for_record(
 ) -> records.ExpiryRecord | None:
     """The watchdog's record of ``nodeid`` ending on ``worker``; waits while the
     watchdog is still escalating against that worker."""
+    explained = config.stash.setdefault(EXPLAINED, set())
     give_up = _monotonic() + patience
     while True:
         answer = scopes.process_state().request("sync")
         found = [r for r in records.read_records(records_path) if r.worker == worker]
-        for record in reversed(found):
-            if record.nodeid == nodeid:
-                return record
-        # A scope entered outside every test (the session's, at sessionstart) names no
-        # test: the worker's hard ending is still what crashed it.
-        for record in reversed(found):
-            if record.action in HARD_ACTIONS and record.nodeid in ("", nodeid):
-                return record
         pending = answer.get("pending", [])
         busy = any(p.get("worker") == worker for p in pending if isinstance(p, dict))
+        record = _explaining(found, nodeid, explained, settled=not busy)
+        if record is not None:
+            explained.add(record.key)
+            return record
         if not busy or _monotonic() > give_up:
             return None
         _sleep(0.02)
+
+
+def _explaining(
+    found: list[records.ExpiryRecord], nodeid: str, explained: set[Any], *, settled: bool
+) -> records.ExpiryRecord | None:
+    """Of a worker's records, the one that says why it was ended while it ran
+    ``nodeid``."""
+    for record in reversed(found):
+        if record.nodeid == nodeid:
+            return record
+    # A scope entered outside every test (the session's, at sessionstart) names no
+    # test: the worker's hard ending is still what crashed it.
+    for record in reversed(found):
+        if record.action in HARD_ACTIONS and record.nodeid in ("", nodeid):
+            return record
+    if settled:
+        # A scope of an earlier test that outlived it (a thread's, say) ended the
+        # worker while it ran this one: that record, once nothing is escalating.
+        for record in reversed(found):
+            if record.action in HARD_ACTIONS and record.key not in explained:
+                return record
+    return None
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -283,6 +302,8 @@ def _size(path: str) -> int:
 
 
 ENDED = pytest.StashKey[EndedTests]()
+# The records that explained a crashed worker's test already (controller).
+EXPLAINED = pytest.StashKey[set[Any]]()
 
 
 def configure_worker(config: pytest.Config) -> None:
