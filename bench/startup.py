@@ -7,7 +7,10 @@ this plugin. Both have ``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1`` and load pytest-xdis
 cost); the second also loads ``-p elastic_timer``. The pairs alternate, so drift of the
 machine hits both alike; the result is the median of each configuration and their ratio.
 Its output is read through pipes, as a shell or a CI step reads it: the command ends when
-the last process holding them lets go, which can be the watchdog.
+the last process holding them lets go, which can be the watchdog. A third configuration,
+interleaved with them, gives the plugin a default budget (``--expires=30``): a session
+that uses the plugin, whose test runs in phase scopes and whose process becomes the leak
+check's subreaper (a session that does not use the plugin is left without one).
 
 The package is measured as users get it: built into a wheel and installed in a virtual
 environment of its own, which sees this environment's other packages (pytest, xdist,
@@ -61,10 +64,17 @@ def test_inner_session(pytester, plugin, record_property):
 """
 
 
-def _session_argv(directory: str, plugin: bool, python: str = common.PYTHON) -> list[str]:
+# The plugin's variants of a session: loaded only; and used, with a default budget
+# (phase scopes, the leak check's subreaper), as a suite that asks for it runs.
+USED = ("--expires=30",)
+
+
+def _session_argv(
+    directory: str, plugin: bool, python: str = common.PYTHON, extra: tuple[str, ...] = ()
+) -> list[str]:
     argv = [python, "-m", "pytest", "-q", "-p", "xdist", "-p", "no:cacheprovider"]
     if plugin:
-        argv += ["-p", "elastic_timer"]
+        argv += ["-p", "elastic_timer", *extra]
     return [*argv, os.path.join(directory, "test_one.py")]
 
 
@@ -79,16 +89,20 @@ def _time(argv: list[str], env: dict[str, str], cwd: str) -> float:
 
 def whole_sessions(rounds: int, python: str = common.PYTHON) -> dict[str, Any]:
     env = common.clean_env(PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
-    times: dict[str, list[float]] = {"plain": [], "plugin": []}
+    times: dict[str, list[float]] = {"plain": [], "plugin": [], "used": []}
     with tempfile.TemporaryDirectory() as directory:
         with open(os.path.join(directory, "test_one.py"), "w", encoding="utf-8") as f:
             f.write(TEST)
-        plain, plugin = (_session_argv(directory, p, python) for p in (False, True))
-        for argv in (plain, plugin):
+        argvs = {
+            "plain": _session_argv(directory, False, python),
+            "plugin": _session_argv(directory, True, python),
+            "used": _session_argv(directory, True, python, USED),
+        }
+        for argv in argvs.values():
             _time(argv, env, directory)  # warm the file cache and the bytecode
         for _ in range(rounds):
-            times["plain"].append(_time(plain, env, directory))
-            times["plugin"].append(_time(plugin, env, directory))
+            for name, argv in argvs.items():
+                times[name].append(_time(argv, env, directory))
     return _summary(times)
 
 
@@ -157,7 +171,7 @@ def inner_sessions(rounds: int) -> dict[str, Any]:
 
 def _summary(times: dict[str, list[float]]) -> dict[str, Any]:
     plain, plugin = common.median(times["plain"]), common.median(times["plugin"])
-    return {
+    summary = {
         "runs": len(times["plain"]),
         "plain_ms": plain * 1e3,
         "plugin_ms": plugin * 1e3,
@@ -165,6 +179,10 @@ def _summary(times: dict[str, list[float]]) -> dict[str, Any]:
         "plain_all_ms": [t * 1e3 for t in times["plain"]],
         "plugin_all_ms": [t * 1e3 for t in times["plugin"]],
     }
+    if times.get("used"):
+        used = common.median(times["used"])
+        summary.update(used_ms=used * 1e3, used_ratio=used / plain)
+    return summary
 
 
 def _compile_package() -> None:
@@ -215,6 +233,12 @@ def render(result: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
                 f"| {what} | {r['runs']} | {r['plain_ms']:.0f} | {r['plugin_ms']:.0f} "
                 f"| {r['ratio']:.2f}x |"
             )
+            if "used_ms" in r:
+                lines.append(
+                    f"| … with `{' '.join(USED)}`: the session uses the plugin (phase scopes, "
+                    f"the leak check's subreaper) | {r['runs']} | {r['plain_ms']:.0f} "
+                    f"| {r['used_ms']:.0f} | {r['used_ratio']:.2f}x |"
+                )
     session = result.get("session", {})
     ratio = session.get("ratio")
     checks = [
