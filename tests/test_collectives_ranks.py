@@ -291,3 +291,51 @@ def test_env_style_ranks_are_recorded_as_one_world(tmp_path: Path, program_text:
             ("all_reduce", 1, col.COMPLETED),
             ("barrier", 2, col.COMPLETED),
         ]
+
+
+FORKED_RANKS = """
+import multiprocessing
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def rank_main(rank, port):
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
+    )
+    dist.all_reduce(torch.ones(2))
+    dist.destroy_process_group()
+    if rank == 1 and sys.argv[1] == "crash":
+        os._exit(3)
+
+
+if __name__ == "__main__":
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = multiprocessing.get_context("fork")
+    ranks = [context.Process(target=rank_main, args=(r, port)) for r in (0, 1)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(60)
+    print([process.exitcode for process in ranks])
+"""
+
+
+@pytest.mark.parametrize("how", ["return", "crash"])
+def test_a_forked_rank_that_returned_exited_and_one_that_crashed_died(
+    tmp_path: Path, how: str
+) -> None:
+    """multiprocessing's forked children end through os._exit, after its own exit
+    functions and not atexit's: one that returned still reads as exited."""
+    done = run_program(tmp_path, FORKED_RANKS, how)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == ("[0, 0]" if how == "return" else "[0, 3]")
+    rings = sorted(col.read_rings(col.ring_paths(str(tmp_path))), key=lambda r: r.rank)
+    assert [r.rank for r in rings] == [0, 1]
+    assert [col.died(r) for r in rings] == ([False, False] if how == "return" else [False, True])

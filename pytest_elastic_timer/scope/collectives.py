@@ -141,6 +141,12 @@ class Recorder:
         if ranklabel.label:
             ring.set_text(ring_format.T_LABEL, ranklabel.label)
         self.ring = ring
+        # A child that multiprocessing forked ends through os._exit, after its own exit
+        # functions, not atexit's: a rank that returned is "exited" there too, and only
+        # one that crashed or was killed reads as "died".
+        mp_util = sys.modules.get("multiprocessing.util")
+        if mp_util is not None:
+            mp_util.Finalize(None, _at_exit, exitpriority=0)
         return ring
 
     def forget(self) -> None:
