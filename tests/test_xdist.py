@@ -802,3 +802,41 @@ def test_a_worker_ended_for_an_earlier_tests_scope_is_reported_by_that_scope(
     block = failure_block(session, "test_next")
     assert "scope 'in-thread' expired after" in block, block
     assert "  test:    test_t.py::test_leaves_a_blocked_scope" in block, block
+
+
+HELPER_ENDED_THEN_A_CRASH = """
+import os
+import signal
+import subprocess
+import sys
+
+HELPER = '''
+import pytest_elastic_timer as et
+with et.expires(0.3, scope="helper"):
+    sum(range(10**11))  # in C: ended by the watchdog
+'''
+
+
+def test_helper_ended():
+    assert subprocess.run([sys.executable, "-c", HELPER], timeout=60).returncode == 0
+
+
+def test_crashes():
+    os.kill(os.getpid(), signal.SIGKILL)  # nothing of the plugin's
+"""
+
+
+def test_a_worker_crash_of_its_own_is_not_blamed_on_a_helper_the_watchdog_ended(
+    pytester: pytest.Pytester,
+) -> None:
+    """A helper of an earlier test that the watchdog ended alone did not end the worker:
+    a later crash of the worker stays xdist's "crashed while running"."""
+    pytester.makepyfile(test_h=HELPER_ENDED_THEN_A_CRASH)
+    session = run(pytester, "-p", "xdist", "-n", "1", GRACE, "-rA", "-p", "no:randomly")
+    assert ("TIMEOUT", "test_h.py::test_helper_ended") in results(session), session.text
+    assert "crashed while running 'test_h.py::test_crashes'" in session.text, session.text
+    assert ("TIMEOUT", "test_h.py::test_crashes") not in results(session)
+    assert session.report is not None
+    (helper,) = session.report["expired"]
+    assert helper["scope"] == "helper" and re.fullmatch(HARD, helper["action"]), helper
+    assert helper["phase"] == ""

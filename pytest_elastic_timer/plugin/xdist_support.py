@@ -124,9 +124,11 @@ def _explaining(
             return record
     if settled:
         # A scope of an earlier test that outlived it (a thread's, say) ended the
-        # worker while it ran this one: that record, once nothing is escalating.
+        # worker while it ran this one: that record, once nothing is escalating, if
+        # its owner was the worker itself (a pytest process: it names its phase), not
+        # a rank or helper of the worker that the watchdog ended alone.
         for record in reversed(found):
-            if record.action in HARD_ACTIONS and record.key not in explained:
+            if record.action in HARD_ACTIONS and record.phase and record.key not in explained:
                 return record
     return None
 
@@ -282,8 +284,12 @@ class EndedTests:
             return False
         if sizes != self.sizes:
             self.sizes = sizes
+            # Only the endings of a worker itself (a pytest process: it names its
+            # phase); a rank or helper the watchdog ended alone crashed no worker.
             ended = Counter(
-                r.nodeid for r in records.read_records(self.path) if r.action in HARD_ACTIONS
+                r.nodeid
+                for r in records.read_records(self.path)
+                if r.action in HARD_ACTIONS and r.phase
             )
             try:
                 with unpatched.open(self.reruns_path, encoding="utf-8") as f:

@@ -136,6 +136,11 @@ class Owner:
             or self.started_in
         )
 
+    def phase(self) -> str:
+        """What the process's pytest is doing now, as its own table says ("" for a
+        process that runs no pytest)."""
+        return (self.registered_as or self).header_text(tbl.H_PHASE_SID)
+
     def test_in_table(self) -> str:
         """The nodeid of the test its table says the process runs ("" if none)."""
         sid = int(self.table.words[tbl.H_TEST_SID])

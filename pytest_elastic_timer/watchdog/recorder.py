@@ -73,7 +73,7 @@ class Recorder:
             stack=stack,
             # As it was when the scope expired: the record is made later (after the
             # grace, or once the owner's report is read), when the owner may be done.
-            phase=expiry.phase or owner.header_text(tbl.H_PHASE_SID),
+            phase=expiry.phase or owner.phase(),
             children=expiry.children,
             peers=expiry.peers,
             killed=ended,

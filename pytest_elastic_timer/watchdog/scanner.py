@@ -98,7 +98,7 @@ class Scanner:
             deadline=slot.deadline,
             grace=slot.grace if slot.grace > 0 else self.grace,
             thread_id=slot.thread_id,
-            phase=owner.header_text(tbl.H_PHASE_SID),
+            phase=owner.phase(),
         )
         owner.expiries[slot.serial] = expiry
         expiry.steps = self.ladder.steps(owner, expiry)
@@ -135,7 +135,7 @@ class Scanner:
                 deadline=now if slot is None else slot.deadline,
                 grace=slot.grace if slot is not None and slot.grace > 0 else self.grace,
                 thread_id=0 if slot is None else slot.thread_id,
-                phase=owner.header_text(tbl.H_PHASE_SID),
+                phase=owner.phase(),
                 report=fields,
             )
             owner.expiries[serial] = expiry
