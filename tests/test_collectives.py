@@ -705,7 +705,7 @@ def test_the_watchdog_names_ranks_and_adds_the_collective_to_a_record(ranks: Any
     assert elsewhere.collective is None  # another host's rings are not here
     # Rank 0's process ended inside the op before the deadline (an earlier escalation
     # ended it): it died in it, it does not wait in it. Ended after: it still waited.
-    for ended_at, waiting, died in ((NOW - 5, [], [0]), (NOW + 1, [0], [])):
+    for ended_at, waiting, died in ((NOW - 5, [0], [0]), (NOW + 1, [0], [])):
         again = dataclasses.replace(record, collective=None)
         CollectivesAmender(directory, functools.partial(dict, {10_000: ended_at}))(again)
         assert again.collective is not None
@@ -721,7 +721,8 @@ def test_a_rank_that_ended_inside_the_op_died_in_it_and_does_not_wait(ranks: Any
     found = col.align(rings([zero, one, two]), NOW, gone={zero.writer.words[col.H_PID]})
     assert found is not None
     assert (found["op"], found["seq"]) == ("all_reduce", 2)
-    assert (found["waiting"], found["died"], found["missing"]) == ([1], [0], [2])
+    # It reached the op, so it stays among those that did; "died" says it no longer waits.
+    assert (found["waiting"], found["died"], found["missing"]) == ([0, 1], [0], [2])
     line = col.collective_line(found)
     assert "rank 1 waiting" in line and "rank 0 died in it at train.py:40" in line
     assert "rank 0 waiting" not in line and "rank 2 missing, last completed all_reduce #1" in line

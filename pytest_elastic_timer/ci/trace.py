@@ -78,8 +78,7 @@ def read_unfinished(directory: str, records: Iterable[ExpiryRecord]) -> list[dic
             ended.setdefault(record.pid, []).append(record)  # are on that host
     events: list[dict[str, Any]] = []
     for path in sorted(glob.glob(os.path.join(directory, TABLE_GLOB))):
-        pid_text = os.path.basename(path).split("-")[1]
-        its_records = ended.get(int(pid_text)) if pid_text.isdigit() else None
+        its_records = ended.get(tbl.pid_of_file(os.path.basename(path)))
         if not its_records:
             continue
         try:
@@ -88,7 +87,13 @@ def read_unfinished(directory: str, records: Iterable[ExpiryRecord]) -> list[dic
             continue
         try:
             slots = list(table.open_slots())
-            if not {r.serial for r in its_records} & {s.serial for s in slots}:
+            # The table of the process a record is about: one of its slots is the
+            # record's scope (serials restart in every process, so the start too).
+            if not any(
+                slot.serial == r.serial and abs(slot.start - (r.deadline - r.budget)) < _TOLERANCE
+                for slot in slots
+                for r in its_records
+            ):
                 continue  # an earlier process with the same pid
             last = its_records[-1]
             end = max(r.ended or r.deadline for r in its_records)

@@ -498,7 +498,12 @@ def align(rings: Iterable[Ring], now: float, gone: Collection[int] = ()) -> dict
     blocked = {rank: entry for rank, ring in by_rank.items() if (entry := ring.blocked())}
     if not blocked:
         return None
-    dead = {rank for rank, ring in by_rank.items() if ring.pid in gone}
+    # (By pid and start time: a later process may have the pid of one that ended.)
+    dead = {
+        rank
+        for rank, ring in by_rank.items()
+        if ring.pid in gone and not process_alive(ring.pid, ring.starttime)
+    }
     # The op a live rank waits in, the longest; a dead rank's only when all are dead.
     anchor_rank, anchor = min(
         blocked.items(), key=lambda item: (item[0] in dead, item[1].start, item[0])
@@ -536,14 +541,18 @@ def align(rings: Iterable[Ring], now: float, gone: Collection[int] = ()) -> dict
         sorted(
             rank
             for rank, entry in blocked.items()
-            if entry.kind in kinds and entry.group == group and rank not in members
+            if entry.kind in kinds
+            and entry.group == group
+            and rank not in members
+            and rank not in dead
         )
         if point_to_point
         else []
     )
-    inside = {rank for rank in members if (e := here.get(rank)) and e.started}
-    waiting = sorted(inside - dead)
-    died = sorted(inside & dead)
+    # Those that died inside it stay among the ranks that reached it (``waiting``);
+    # ``died`` says which of them no longer wait.
+    waiting = sorted(rank for rank in members if (e := here.get(rank)) and e.started)
+    died = sorted(set(waiting) & dead)
     missing = sorted(rank for rank in members if here.get(rank) is None)
     present = [e for rank in members if (e := here.get(rank)) is not None]
     mismatch: str | None = None
@@ -622,7 +631,10 @@ def collective_line(
     # Ranks waiting at one place (site, time, and op when the ops differ) read as one.
     by_place: dict[tuple[str, str, str], list[int]] = {}
     mismatch = collective.get("mismatch")
+    died = collective.get("died", [])
     for rank in collective.get("waiting", []):
+        if rank in died:
+            continue  # said below
         view = ranks.get(str(rank), {})
         op = f" in {view.get('op')}" if mismatch == "op" else ""
         site = str(view.get("site", ""))
@@ -632,7 +644,7 @@ def collective_line(
     for (since, op, where), found in by_place.items():
         verb = ("were in it" if len(found) > 1 else "was in it") if ended else "waiting"
         parts.append(f"{_ranks_text(sorted(found))} {verb}{since}{op}{where}")
-    for rank in collective.get("died", []):
+    for rank in died:
         view = ranks.get(str(rank), {})
         site = str(view.get("site", ""))
         op = f" in {view.get('op')}" if mismatch == "op" else ""
@@ -671,7 +683,7 @@ def collective_line(
         parts.append(f"rank {rank} also blocked, in {_op_text(view)}{where}")
     size = len(ranks)
     if "peer" in collective:  # a point-to-point op: who meets whom, not a group's size
-        op = _op_text({**collective, "peer": collective["peer"]})
+        op = _op_text(collective)
         head = f"{op} (group {collective.get('group')})"
         both = _both_ways(collective)
         if both:

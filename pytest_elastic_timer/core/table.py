@@ -30,6 +30,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+import uuid
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -81,6 +82,19 @@ FLAG_TEST_PHASE = 1  # the scope of a test phase (setup/call/teardown), entered 
 # site of its own: they follow from the test entry its nodeid sid points at.
 PHASE_FLAGS = {"setup": 1 << 1, "call": 2 << 1, "teardown": 3 << 1}
 _PHASE_NAMES = {code: name for name, code in PHASE_FLAGS.items()}
+
+
+def file_name(pid: int) -> str:
+    """A new table's file name for process ``pid``: ``table-<pid>-<random>`` (a pid
+    reused within a session gets a file of its own)."""
+    return f"table-{pid}-{uuid.uuid4().hex[:8]}"
+
+
+def pid_of_file(name: str) -> int:
+    """The pid a table's file name (:func:`file_name`) is for; -1 for another name."""
+    kind, _, rest = name.partition("-")
+    pid = rest.partition("-")[0]
+    return int(pid) if kind == "table" and pid.isdigit() else -1
 
 
 def test_entry(nodeid: str, name: str, path: str, line: int) -> str:

@@ -17,6 +17,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from pytest_elastic_timer.core import afterfork, unpatched
+from pytest_elastic_timer.core import table as tbl
 from pytest_elastic_timer.scope import client
 
 if TYPE_CHECKING:
@@ -114,9 +115,7 @@ def joined_the_session(directory: str, pids: set[int]) -> bool:
         names = os.listdir(directory) if directory else []
     except OSError:
         return False
-    return any(
-        name.split("-")[1] in {str(p) for p in pids} for name in names if name.startswith("table-")
-    )
+    return any(tbl.pid_of_file(name) in pids for name in names)
 
 
 _children_fds: dict[tuple[int, str], int] = {}  # (pid, task) -> open procfs fd

@@ -89,9 +89,13 @@ def option(config: pytest.Config, name: str) -> tuple[str, Any]:
 
 
 def any_given(config: pytest.Config) -> bool:
-    """Whether any of the plugin's options is given, on the command line or in the ini
-    file: the session asks for the plugin."""
-    return any(option(config, ini)[1] is not None for _, ini, _, _ in OPTIONS)
+    """Whether any of the plugin's options but the leak check's own is given, on the
+    command line or in the ini file: the session asks for the plugin."""
+    return any(
+        option(config, ini)[1] is not None
+        for _, ini, _, _ in OPTIONS
+        if ini != "elastic_timer_leaks"  # its `auto` must not decide for itself
+    )
 
 
 def read_settings(config: pytest.Config) -> Settings:

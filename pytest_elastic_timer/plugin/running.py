@@ -140,16 +140,15 @@ class RunningTest:
     def _check_leaks(self, before: bytes, after: bytes) -> None:
         state = self.state
         ours = {state.watchdog.pid} if state.watchdog else set()
-        new = {
-            p
-            for p in leaks.pids_of(after) - leaks.pids_of(before) - ours
-            if not leaks.is_service(p)
-        }
+        new = leaks.pids_of(after) - leaks.pids_of(before) - ours
+        if not self.interrupted and not state.warns_of_leaks(
+            session_directory(self.item.config), new
+        ):
+            return  # a session that does not use the plugin: left as it is
+        new = {p for p in new if not leaks.is_service(p)}
         if not new:
             return
         if not self.interrupted:
-            if not state.warns_of_leaks(session_directory(self.item.config), new):
-                return  # a session that does not use the plugin: left as it is
             new = leaks.still_running_after(new)
             if not new:
                 return

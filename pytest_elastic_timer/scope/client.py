@@ -289,7 +289,7 @@ class ProcessState:
             sock.close()  # not ours yet: _close_socket() would not see it
             raise
         self.sock = sock
-        path = os.path.join(directory, f"table-{self.pid}-{uuid.uuid4().hex[:8]}")
+        path = os.path.join(directory, tbl.file_name(self.pid))
         table = tbl.ScopeTable.create(path)
         dump_path = ""
         preset = startup.preset_dump()

@@ -226,9 +226,10 @@ class Owners(Mapping[int, Owner]):
         if wire.field(fields, "pid", int) != peer_pid:
             raise Refused("pid does not match the connection")
         path = os.path.realpath(wire.field(fields, "table", str))
-        if os.path.dirname(path) != os.path.realpath(self.directory) or not os.path.basename(
-            path
-        ).startswith(f"table-{peer_pid}-"):
+        if (
+            os.path.dirname(path) != os.path.realpath(self.directory)
+            or tbl.pid_of_file(os.path.basename(path)) != peer_pid
+        ):
             raise Refused("table outside the session directory")
         dump = wire.field(fields, "dump", str)
         if dump and os.path.dirname(os.path.realpath(dump)) != os.path.realpath(self.directory):
