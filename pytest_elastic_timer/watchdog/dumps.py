@@ -44,6 +44,8 @@ class Dumper:
         self.directory = directory
         self.dump_signal = dump_signal  # the session's: every Python process of it
         self.clock = clock
+        # pid -> (when, the dump asked of it then), to ask a process once per moment
+        self._recent: dict[int, tuple[float, ChildDump]] = {}
 
     def owner(self, owner: Owner) -> Generator[float, None, str]:
         """Every thread's stack of ``owner`` ("" if it has no dump handler or is gone)."""
@@ -69,22 +71,37 @@ class Dumper:
                 break
         return read_from(owner.dump_path, offset)
 
-    def ask_descendants(self, owner: Owner, peers: Iterable[int] = ()) -> AskedDumps:
+    def ask_descendants(self, owner: Owner) -> AskedDumps:
         """Send the session's dump signal to every process below ``owner`` that has its
-        handler, and to its ``peers`` (the other ranks of its world), without waiting:
-        the text is read later (:meth:`AskedDumps.children`, :meth:`AskedDumps.peers`)."""
-        signum = self.dump_signal
+        handler, without waiting: the text is read later (:meth:`AskedDumps.children`)."""
         me = os.getpid()
-        asked = AskedDumps(self.clock() + PATIENCE)
         # (the watchdog is pytest's child, but nobody's evidence; a zombie, an earlier
         # test's child that nobody reaped yet, is nothing this test runs)
         below = [p for p in proctree.alive(proctree.descendants(owner.proc)) if p.pid != me]
-        known = {owner.pid, me, *(p.pid for p in below)}
-        beside = [p for p in proctree.alive(_processes(peers)) if p.pid not in known]
+        return self._ask(below, peer=False)
+
+    def ask_peers(self, owner: Owner, pids: Iterable[int], asked: set[int]) -> AskedDumps:
+        """:meth:`ask_descendants` for ``pids``, the other ranks of ``owner``'s world,
+        but those ``asked`` already (:meth:`AskedDumps.peers`)."""
+        known = {owner.pid, os.getpid(), *asked}
+        return self._ask(
+            [p for p in proctree.alive(_processes(pids)) if p.pid not in known], peer=True
+        )
+
+    def _ask(self, processes: list[psutil.Process], *, peer: bool) -> AskedDumps:
+        signum = self.dump_signal
+        now = self.clock()
+        asked = AskedDumps(now + PATIENCE)
         paths: list[tuple[str, int, bool]] = []
-        for proc in [*below, *beside]:  # the signals first: the dumps begin meanwhile
+        for proc in processes:  # the signals first: the dumps begin while the rest is done
             path = startup.dump_path(self.directory, proc.pid)
-            if signum and startup.catches(proc.pid, signum):
+            recent = self._recent.get(proc.pid)
+            if recent is not None and now - recent[0] < PATIENCE:
+                # Asked a moment ago for another expiry (ranks that time one step
+                # expire together): that dump serves this one too, and a second would
+                # be read with it.
+                paths.append((recent[1].path, recent[1].offset, recent[1].main_blocks))
+            elif signum and startup.catches(proc.pid, signum):
                 offset = _size(path)
                 # (a main thread that blocks the signal leaves its handler to another
                 # thread, whose end cannot be told from here: its dump counts once begun)
@@ -93,13 +110,13 @@ class Dumper:
                 paths.append((path, offset, blocks))
             else:
                 paths.append(("", 0, False))
-        for index, (proc, (path, offset, blocks)) in enumerate(
-            zip([*below, *beside], paths, strict=True)
-        ):
+        for proc, (path, offset, blocks) in zip(processes, paths, strict=True):
             info = proctree.describe(proc)
             info["label"] = proctree.label_of(proc)
-            dump = ChildDump(info, path, offset, proc.pid, signum, blocks, index >= len(below))
+            dump = ChildDump(info, path, offset, proc.pid, signum, blocks, peer)
             asked.dumps.append(dump)
+            if path:
+                self._recent[proc.pid] = (now, dump)
         return asked
 
     def written(self, asked: AskedDumps) -> Generator[float, None, None]:

@@ -70,16 +70,24 @@ class Ladder:
         owner are asked for their stacks first (by default, where it is interrupted)."""
         table = owner.table
         asked = None
-        if interrupt if dumps is None else dumps:
-            asked = self.dumper.ask_descendants(owner, self.peers_of(owner))
+        with_dumps = interrupt if dumps is None else dumps
+        if with_dumps:
+            asked = self.dumper.ask_descendants(owner)
             if asked:
                 expiry.read_children = asked.children
-                expiry.read_peers = asked.peers
                 yield from self.dumper.written(asked)
         interruptible = owner.interruptible()
         by_channel = interrupt and not table.words[tbl.H_INTERRUPT_SIG] and interruptible
         if interrupt:
             owner.interrupt()
+        if with_dumps:
+            # The other ranks of its world once it is interrupted: finding them reads
+            # the rings, which must not hold the interrupt back.
+            below = {d.pid for d in asked.dumps} if asked else set()
+            peers = self.dumper.ask_peers(owner, self.peers_of(owner), below)
+            if peers:
+                expiry.read_peers = peers.peers
+                yield from self.dumper.finished(peers)
         if asked:
             yield from self.dumper.finished(asked)
         # Without an interrupt to give the owner, there is nothing to wait for.
