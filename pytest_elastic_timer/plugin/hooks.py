@@ -86,7 +86,6 @@ def pytest_configure(config: pytest.Config) -> None:
     state.expiry_listener = on_expiry
     scopes.expiry_listeners.append(state.expiry_listener)
     watch = state.leak_watch = leaks.Watch()
-    state.leave_leaks = watch.leave
     state.used = any_given(config)
     if settings.leaks in ("warn", "kill") or (settings.leaks == "auto" and state.used):
         watch.adopt_orphans()
@@ -315,4 +314,5 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     lifecycle.restore_environment(state)
     # The process as the session found it (a pytest run inside a test of another).
     state.put_back_scopes()
-    state.leave_leaks()
+    if state.leak_watch is not None:
+        state.leak_watch.leave()
