@@ -179,6 +179,16 @@ def end(ctx):
         proc.join(30)
 
 
+def run_ranks(target, *args):
+    """Both ranks to their end (the join raises once a rank has failed)."""
+    ctx = start(target, *args)
+    try:
+        while not ctx.join(timeout=0.05):
+            pass
+    finally:
+        end(ctx)
+
+
 @pytest.mark.expires(120)
 def test_missing():
     ctx = start(ranks.missing)
@@ -194,22 +204,12 @@ def test_missing():
 
 @pytest.mark.expires(120)
 def test_missing_in_rank():
-    ctx = start(ranks.missing_in_rank)
-    try:
-        while not ctx.join(timeout=0.05):  # raises once the watchdog ended rank 0
-            pass
-    finally:
-        end(ctx)
+    run_ranks(ranks.missing_in_rank)  # fails once the watchdog ended rank 0
 
 
 @pytest.mark.expires(120)
 def test_crashed():
-    ctx = start(ranks.crashed)
-    try:
-        while not ctx.join(timeout=0.05):  # raises once a rank has failed
-            pass
-    finally:
-        end(ctx)
+    run_ranks(ranks.crashed)  # fails once rank 1 has crashed
 
 
 @pytest.mark.expires(120)
@@ -227,12 +227,7 @@ def test_desync():
 
 @pytest.mark.expires(120)
 def test_shapes():
-    ctx = start(ranks.shapes)
-    try:
-        while not ctx.join(timeout=0.05):  # raises once gloo aborted rank 0
-            pass
-    finally:
-        end(ctx)
+    run_ranks(ranks.shapes)  # fails once gloo aborted rank 0
 
 
 @pytest.mark.expires(120)
@@ -240,12 +235,7 @@ def test_shapes():
 def test_passing(recorder, monkeypatch):
     monkeypatch.setenv("PYTEST_ELASTIC_TIMER_COLLECTIVES", "1" if recorder == "on" else "0")
     out = os.path.join(HERE, f"passing-{recorder}")
-    ctx = start(ranks.passing, out)
-    try:
-        while not ctx.join(timeout=0.05):
-            pass
-    finally:
-        end(ctx)
+    run_ranks(ranks.passing, out)
     directory = os.path.dirname(os.environ["PYTEST_ELASTIC_TIMER"])
     pids = [open(os.path.join(HERE, "pids", f"passing-{recorder}-{r}.pid")).read() for r in (0, 1)]
     rings = [
