@@ -207,6 +207,22 @@ def test_anything_else_is_not_a_ring(tmp_path: Path) -> None:
     assert col.read_ring(str(tmp_path / "missing")) is None
 
 
+def test_whose_ring_it_is_reads_from_its_header_alone(ranks: Any, tmp_path: Path) -> None:
+    """A long session leaves many rings: they are told apart by their headers, and
+    only the rings looked for are read whole."""
+    zero, _ = ranks(2)
+    zero.op("all_reduce")
+    header, whole = col.read_ring(zero.writer.path, header_only=True), zero.ring()
+    assert header is not None and (header.entries, header.groups) == ([], {})
+    fields = ("path", "pid", "rank", "world", "created", "label", "nodeid", "world_id")
+    assert [getattr(header, f) for f in fields] == [getattr(whole, f) for f in fields]
+    found = col.rings_of_test(str(tmp_path), "test_x.py::test_y")
+    assert [(r.rank, len(r.entries)) for r in found] == [(0, 2), (1, 1)]
+    cut = tmp_path / "collectives-1-cut"
+    cut.write_bytes(Path(zero.writer.path).read_bytes()[: col.HEADER_SIZE])
+    assert col.read_ring(str(cut), header_only=True) is None  # not a whole ring file
+
+
 def test_process_liveness_by_pid_and_start_time() -> None:
     me = os.getpid()
     started = col.process_starttime(me)

@@ -355,14 +355,20 @@ def _text(mm: bytes | mmap.mmap, where: tuple[int, int]) -> str:
     return bytes(mm[offset : offset + size]).split(b"\0", 1)[0].decode("utf-8", "replace")
 
 
-def read_ring(path: str) -> Ring | None:
-    """A snapshot of the ring at ``path`` (None for anything that is not one)."""
+def read_ring(path: str, *, header_only: bool = False) -> Ring | None:
+    """A snapshot of the ring at ``path`` (None for anything that is not one).
+    ``header_only``: without its groups and entries, which are most of the file: what
+    tells whose ring it is (pid, rank, test, world) is in the header."""
     try:
         with unpatched.open(path, "rb") as f:
-            data = f.read(FILE_SIZE + 1)
+            data = f.read(HEADER_SIZE if header_only else FILE_SIZE + 1)
+            if header_only and len(data) == HEADER_SIZE:
+                size = os.fstat(f.fileno()).st_size
+            else:
+                size = len(data)
     except OSError:
         return None
-    if len(data) != FILE_SIZE:
+    if size != FILE_SIZE:
         return None
     words = struct.unpack_from(f"<{HEADER_SIZE // 8}Q", data)
     if words[H_MAGIC] != MAGIC or words[H_VERSION] != VERSION:
@@ -370,7 +376,7 @@ def read_ring(path: str) -> Ring | None:
     signed = struct.unpack_from("<qq", data, H_RANK * 8)
     (created,) = struct.unpack_from("<d", data, H_CREATED * 8)
     capacity = min(int(words[H_CAPACITY]) or CAPACITY, CAPACITY)
-    count = int(words[H_COUNT])
+    count = 0 if header_only else int(words[H_COUNT])
     entries: list[Entry] = []
     for serial in range(max(1, count - capacity + 1), count + 1):
         position = (serial - 1) % capacity
@@ -380,7 +386,7 @@ def read_ring(path: str) -> Ring | None:
         strings = [b.split(b"\0", 1)[0].decode("utf-8", "replace") for b in fields[8:12]]
         entries.append(Entry(*fields[:8], *strings))
     groups: dict[str, list[int]] = {}
-    used = min(int(words[H_GROUPS_USED]), GROUPS_SIZE)
+    used = 0 if header_only else min(int(words[H_GROUPS_USED]), GROUPS_SIZE)
     for line in data[GROUPS_OFFSET : GROUPS_OFFSET + used].decode("utf-8", "replace").splitlines():
         name, _, members = line.partition("\t")
         with contextlib.suppress(ValueError):
@@ -413,8 +419,15 @@ def ring_paths(directory: str, pids: Iterable[int] | None = None) -> list[str]:
     return sorted(os.path.join(directory, n) for n in names if n.startswith(prefixes))
 
 
-def read_rings(paths: Iterable[str]) -> list[Ring]:
-    return [ring for ring in map(read_ring, paths) if ring is not None]
+def read_rings(paths: Iterable[str], *, header_only: bool = False) -> list[Ring]:
+    found = (read_ring(path, header_only=header_only) for path in paths)
+    return [ring for ring in found if ring is not None]
+
+
+def _whole(headers: Iterable[Ring]) -> list[Ring]:
+    """The rings of ``headers`` (header-only snapshots) read whole; one that stopped
+    being a ring meanwhile is left out."""
+    return read_rings(header.path for header in headers)
 
 
 def world_of(seeds: Iterable[Ring], others: Iterable[Ring]) -> list[Ring]:
@@ -763,37 +776,48 @@ def collective_for(
     seeds = [r for r in newest_per_pid(read_rings(ring_paths(directory, pids))) if r.rank >= 0]
     if not seeds:
         return None
-    others = read_rings(ring_paths(directory)) if any(r.world_id for r in seeds) else []
-    return align([as_of(r, moment) for r in world_of(seeds, others)], moment, gone)
+    # The session's other rings by their headers first: a long session leaves many.
+    others = (
+        read_rings(ring_paths(directory), header_only=True)
+        if any(r.world_id for r in seeds)
+        else []
+    )
+    world = world_of(seeds, others)
+    read = {r.path: r for r in seeds}
+    read.update((r.path, r) for r in _whole(r for r in world if r.path not in read))
+    rings = [read[r.path] for r in world if r.path in read]
+    return align([as_of(r, moment) for r in rings], moment, gone)
 
 
 def peers_of(directory: str, pids: Collection[int]) -> list[int]:
     """The live processes of the other ranks of the worlds that ``pids`` are ranks of
     (the rank that owns a scope is not the parent of the ranks it waits for)."""
-    seeds = [r for r in newest_per_pid(read_rings(ring_paths(directory, pids))) if r.rank >= 0]
+    rings = ring_paths(directory, pids)
+    seeds = [r for r in newest_per_pid(read_rings(rings, header_only=True)) if r.rank >= 0]
     if not any(r.world_id for r in seeds):
         return []
-    world = world_of(seeds, read_rings(ring_paths(directory)))
+    world = world_of(seeds, read_rings(ring_paths(directory), header_only=True))
     return [r.pid for r in world if r.pid not in pids and process_alive(r.pid, r.starttime)]
 
 
 def labels(directory: str, pids: Iterable[int]) -> dict[int, str]:
     """``rank N`` of each of ``pids`` that called init_process_group (by its ring)."""
-    return {
-        r.pid: r.label for r in newest_per_pid(read_rings(ring_paths(directory, pids))) if r.label
-    }
+    rings = read_rings(ring_paths(directory, pids), header_only=True)
+    return {r.pid: r.label for r in newest_per_pid(rings) if r.label}
 
 
 def rings_of_test(directory: str, nodeid: str) -> list[Ring]:
     """The rings of the processes a test started (their ``PYTEST_CURRENT_TEST``), one
     per rank of the newest world, ordered by rank."""
-    found = [r for r in read_rings(ring_paths(directory)) if r.nodeid == nodeid and r.rank >= 0]
+    headers = read_rings(ring_paths(directory), header_only=True)
     chosen: dict[int, Ring] = {}
-    for ring in found:
+    for ring in headers:
+        if ring.nodeid != nodeid or ring.rank < 0:
+            continue
         known = chosen.get(ring.rank)
         if known is None or ring.created > known.created:
             chosen[ring.rank] = ring
-    return [chosen[rank] for rank in sorted(chosen)]
+    return _whole(chosen[rank] for rank in sorted(chosen))
 
 
 def died(ring: Ring) -> bool:
