@@ -175,6 +175,7 @@ def test_acquire_release_and_expires() -> None:
     timer = et.TimerRequest(10, scope="manual")
     assert not timer.active
     assert timer.expires() == 10  # before acquire: the budget
+    assert type(timer.expires()) is float and type(timer.budget) is float
     before = time.monotonic()
     timer.acquire()
     after = time.monotonic()

@@ -431,6 +431,21 @@ def test_bad_arguments_are_refused_before_asking(dog: Watchdog) -> None:
         et.lock("l", 1).release()
 
 
+def test_a_timeout_of_centuries_waits_as_forever_does(dog: Watchdog) -> None:
+    """A finite timeout longer than a socket's wait can be (some 290 years) is as
+    good as forever, not an OverflowError."""
+    event = et.Event("centuries")
+    setter = threading.Timer(0.2, event.set)
+    setter.start()
+    try:
+        assert event.wait(1e10)
+    finally:
+        setter.join()
+    with et.lock("centuries", 1e300):
+        pass
+    assert et.barrier("centuries", 1, 1e300) == 0
+
+
 def test_timeouts_cross_process_boundaries_intact() -> None:
     party = et.Party(42, "rank 2", "x.py:3", "gw1", "passed round 4")
     exc = et.BarrierTimeout(

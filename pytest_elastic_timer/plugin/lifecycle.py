@@ -217,6 +217,7 @@ def check_watchdog(session: pytest.Session, state: SessionState) -> None:
         )
     if state.lost_watchdog and state.exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED  # the guarantees did not hold
+        state.exitstatus = int(session.exitstatus)  # as the report and the hooks say it
 
 
 def facts_for_hooks(config: pytest.Config, state: SessionState) -> SessionFacts:

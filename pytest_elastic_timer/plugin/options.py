@@ -5,6 +5,7 @@ them once (the CLI wins over the ini file). Every number of seconds goes through
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, NamedTuple
 
 import pytest
@@ -82,7 +83,12 @@ def option(config: pytest.Config, name: str) -> tuple[str, Any]:
     value = config.getoption(name)
     if value is not None:
         return f"--{name.replace('_', '-')}", value
-    value = config.getini(name)
+    with warnings.catch_warnings():
+        # A TOML list or table is a value of the wrong type, which read_settings makes
+        # a usage error naming it; pytest's deprecation warning for it would be an
+        # INTERNALERROR where warnings are errors.
+        warnings.simplefilter("ignore", pytest.PytestDeprecationWarning)
+        value = config.getini(name)
     if value not in (None, ""):
         return f"ini option {name!r}", value
     return "", None

@@ -60,6 +60,7 @@ _CO_ASYNC = client.CO_ASYNC
 _H_ARMED = tbl.H_ARMED
 _MAX_GRACE = tbl.MAX_GRACE
 _INF = math.inf
+_FLOAT_MAX = sys.float_info.max  # an int above it is no float: not a finite budget
 _NUMBERS = (int, float)
 _EARLY = delivery.EARLY
 monotonic = unpatched.monotonic  # the real clock, even while a test freezes time
@@ -231,7 +232,7 @@ class TimerRequest:
     ) -> None:
         # The common case (a plain finite number, a str, no grace) is checked cheaply.
         self.after: float | None
-        if after.__class__ in _NUMBERS and 0 <= after < _INF:
+        if after.__class__ in _NUMBERS and 0 <= after <= _FLOAT_MAX:
             self.after = after
         else:
             self.after = _check_budget(after, "after")
@@ -457,7 +458,7 @@ class TimerRequest:
     def expires(self) -> float:
         """Seconds left before the deadline (``inf`` without one, negative if past)."""
         if self._state is None:
-            return _INF if self.after is None else self.after
+            return _INF if self.after is None else float(self.after)
         return self._deadline - monotonic()
 
     def expired(self) -> bool:
@@ -473,7 +474,7 @@ class TimerRequest:
     def budget(self) -> float:
         """The scaled budget in seconds as entered (``inf`` without a deadline)."""
         if self._state is None:
-            return _INF if self.after is None else self.after
+            return _INF if self.after is None else float(self.after)
         # Rounded to the nanosecond: a deadline minus its start is not the budget's
         # float exactly (0.3 came back as 0.30000000000001137).
         budget = self._deadline - self._start

@@ -34,6 +34,9 @@ from pytest_elastic_timer.sync import protocol
 STACK_FRAMES = 25
 _ANSWER_MARGIN = 10.0  # seconds past its budget that a call waits for the watchdog's word
 _QUICK = 10.0  # seconds an immediate request (set, clear, is_set) may take
+# The longest a call waits for an answer: a socket's timeout has a limit (some 290
+# years), and a longer budget waits as long as forever does.
+_LONGEST_WAIT = 86400.0 * 365
 
 _open: set[socket.socket] = set()  # connections of calls in progress, for after a fork
 _open_lock = threading.Lock()
@@ -334,7 +337,7 @@ def _wait_for(budget: float) -> float:
     # The watchdog applies the scale factor; the wait for its answer allows for it.
     state = scopes.current_state()
     scale = state.scale if state is not None else client.scale_from_env()
-    return budget * max(scale, 1.0) + _ANSWER_MARGIN
+    return min(budget * max(scale, 1.0) + _ANSWER_MARGIN, _LONGEST_WAIT)
 
 
 def _wait(
