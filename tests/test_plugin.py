@@ -12,6 +12,7 @@ import sys
 import textwrap
 import threading
 import time
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import psutil
@@ -1774,6 +1775,41 @@ def test_a_session_outside_the_main_thread_is_interrupted_by_a_thread_of_its_own
     # Not at the deadline (as without an interrupt to wait for), after the grace.
     assert blocked["action"] == "terminated"
     assert blocked["elapsed"] >= 1.9, blocked
+
+
+def test_a_session_budget_that_runs_out_in_a_test_fails_it_and_stops_the_session(
+    pytester: pytest.Pytester,
+) -> None:
+    """The running test fails by the session's scope and is reported by it, as under
+    xdist (not left without an outcome); no further test starts; pytest exits as
+    interrupted."""
+    pytester.makepyfile(
+        test_budget="""
+        import time
+
+        def test_long():
+            time.sleep(30)
+
+
+        def test_next():
+            pass
+        """
+    )
+    session = run(pytester, "-rA", "--expires-session=1", "--junitxml=junit.xml")
+    session.assert_clean()
+    assert session.result.ret == pytest.ExitCode.INTERRUPTED
+    session.result.assert_outcomes(failed=1)  # test_next never started
+    text = session.stdout
+    assert "TIMEOUT test_budget.py::test_long - scope 'session' expired" in text, text
+    assert "! Interrupted: scope 'session' expired after" in text, text
+    assert "(phase call) !" in text, text
+    (case,) = ET.parse(pytester.path / "junit.xml").getroot().iter("testcase")
+    (failure,) = case.findall("failure")
+    assert (failure.get("message") or "").startswith("scope 'session' expired after")
+    assert session.report is not None
+    (record,) = session.report["expired"]
+    assert (record["scope"], record["nodeid"]) == ("session", "test_budget.py::test_long")
+    assert session.report["session"]["exitstatus"] == pytest.ExitCode.INTERRUPTED
 
 
 def test_a_session_budget_outside_the_main_thread_stops_the_session(

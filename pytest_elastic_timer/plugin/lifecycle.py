@@ -15,7 +15,13 @@ import pytest
 from pytest_elastic_timer.core import startup, unpatched
 from pytest_elastic_timer.plugin import launcher, leaks
 from pytest_elastic_timer.plugin.hookspecs import SessionFacts
-from pytest_elastic_timer.plugin.state import SESSION, SessionState, is_worker, uses_xdist
+from pytest_elastic_timer.plugin.state import (
+    SESSION,
+    SessionState,
+    is_worker,
+    uses_xdist,
+    worker_id,
+)
 from pytest_elastic_timer.scope import client, scopes
 from pytest_elastic_timer.scope.scopes import ScopeExpired, TimerRequest
 
@@ -173,16 +179,25 @@ def leave_session_scope(state: SessionState) -> None:
 def _end_session(state: SessionState, exc: ScopeExpired) -> BaseException:
     """A session over its budget stops where it is, with the scope line as reason."""
     phase = scopes.process_state().phase()
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    session = state.session
+    # This session's own worker id: a pytest run by a worker's test inherits the
+    # worker's PYTEST_XDIST_WORKER, and is no worker.
+    worker = worker_id(session.config) if session is not None else ""
     where = ", ".join(x for x in (f"phase {phase}" if phase else "", worker) if x)
     reason = f"{exc.line()} ({where})" if where else exc.line()
-    if state.session is not None:
+    if session is not None:
         # Where the exception is caught (a fixture finalizer records it as a teardown
         # error), the session must still not start another test.
-        state.session.shouldstop = reason
-    if worker:
-        return exc  # xdist takes Exit in a worker for Ctrl-C: fail where it is instead
+        session.shouldstop = reason
+    if worker or phase in _TEST_PHASES:
+        # In a test the expiry fails that test, which is reported by the scope as any
+        # other (shouldstop then ends the session, as interrupted); outside tests, or
+        # in an xdist worker (xdist takes Exit there for Ctrl-C), it is where it lands.
+        return exc
     return pytest.exit.Exception(reason)
+
+
+_TEST_PHASES = ("setup", "call", "teardown")
 
 
 def watchdog_lost(item: pytest.Item) -> None:

@@ -121,6 +121,12 @@ def is_worker(config: pytest.Config) -> bool:
     return hasattr(config, "workerinput")
 
 
+def worker_id(config: pytest.Config) -> str:
+    """This process's xdist worker id (``gw0``); "" where it is no worker."""
+    workerinput = getattr(config, "workerinput", None)
+    return str(workerinput.get("workerid", "")) if isinstance(workerinput, dict) else ""
+
+
 def uses_xdist(config: pytest.Config) -> bool:
     """Whether this process is an xdist controller (its tests run in workers)."""
     return config.pluginmanager.hasplugin("dsession")
