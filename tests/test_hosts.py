@@ -129,6 +129,8 @@ def test_remote_workers_are_enforced_and_reported_by_scope_with_their_host(
     assert session.report is not None
     assert all(r["host"] in HOSTS for r in session.report["expired"])
     assert {gil["worker"], sleep["worker"]} <= set(session.report["session"]["workers"])
+    # Ending a worker on a host ends no session: only pytest's own end is said so.
+    assert "pytest was ended" not in session.text, session.text
 
 
 HANG = """
@@ -469,3 +471,36 @@ def test_an_ssh_gateway_takes_the_same_path(
     assert f"host {gil['host']}" in block
     sleep = session.record("test_sleep::call")
     assert (sleep["action"], sleep["host"] in HOSTS) == ("interrupted", True)
+
+
+# A C loop on the host's only worker, the one that started the host's watchdog; then
+# another test on its replacement.
+LAST_ON_THE_HOST = """
+import pytest
+
+
+@pytest.mark.expires(1)
+def test_gil():
+    sum(range(10**10))
+
+
+def test_after():
+    pass
+"""
+
+
+def test_ending_the_worker_that_started_a_hosts_watchdog_ends_no_session(
+    pytester: pytest.Pytester, stand_in_hosts: Callable[..., list[StandInHost]]
+) -> None:
+    """The worker that started a host's watchdog is its root, not pytest: ending it
+    is the usual worker replacement, and the host's watchdog says nothing on the
+    terminal (no "pytest was ended" summary of its own)."""
+    hosts = stand_in_hosts("host-a")
+    pytester.makepyfile(test_last=LAST_ON_THE_HOST)
+    session = run(pytester, *XDIST, GRACE, *tx(hosts, 1), lean=False, timeout=60)
+    session.assert_clean()
+    session.result.assert_outcomes(passed=1, failed=1)
+    record = session.record("test_gil::call")
+    assert (record["action"], record["host"]) in {("terminated", "host-a"), ("killed", "host-a")}
+    assert "pytest was ended" not in session.text, session.text
+    assert session.report is not None and session.report["session"]["root_died"] is False

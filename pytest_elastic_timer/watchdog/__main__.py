@@ -116,7 +116,7 @@ def build(
     ``host_name``, the watchdog of that host, which is not the controller's: the
     workers there join it (``root`` is the one that started it). ``fifo_fd``: the read
     end of the torch file-timer FIFO that the plugin made (-1: make one)."""
-    dog = Watchdog(directory, root=root, clock=clock, **settings)
+    dog = Watchdog(directory, root=root, clock=clock, root_is_pytest=host_name is None, **settings)
     file_timers = FileTimerIntake(dog, directory, fifo_fd)
     dog.add_reader(file_timers.read_fd, file_timers.readable)
     for op, handler in file_timers.handlers().items():

@@ -57,7 +57,7 @@ class Ladder:
         self.dumper = dumper
         self.recorder = recorder
         self.kill_after = kill_after
-        self.root_pid = root_pid  # the pytest process
+        self.root_pid = root_pid  # the pytest process (0 for another host's watchdog: none)
         self.read_pending = read_pending  # reads what a connected owner sent, unread yet
         self.ending_root = ending_root  # about to end pytest: report now, not after
         self.peers_of = peers_of  # the other ranks of an owner's world (their pids)

@@ -73,10 +73,15 @@ class Watchdog:
         trace: bool = False,
         clock: Clock = time.monotonic,
         listener: socket.socket | None = None,
+        root_is_pytest: bool = True,
     ) -> None:
         self.directory = directory
         self.address = os.path.join(directory, SOCKET_NAME)
         self.root = root
+        # False for the watchdog of another host, whose root is the worker that
+        # started it: ending that worker ends no session, and pytest's terminal is the
+        # controller's, whose watchdog prints what it must.
+        self.root_is_pytest = root_is_pytest
         self.grace = grace
         self.kill_after = kill_after
         self.scale = scale
@@ -100,7 +105,7 @@ class Watchdog:
             dumper=Dumper(directory, dump_signal, clock),
             recorder=self.recorder,
             kill_after=kill_after,
-            root_pid=root.pid,
+            root_pid=root.pid if root_is_pytest else 0,
             read_pending=self._read_pending,
             ending_root=self._ending_root,
             peers_of=self._peers_of,
@@ -378,7 +383,7 @@ class Watchdog:
                 callback()
             except Exception as exc:  # an intake must not cost the report
                 sys.stderr.write(f"pytest-elastic-timer: {exc!r} at the end of the session\n")
-        if self.root_died and self.records:
+        if self.root_died and self.records and self.root_is_pytest:
             self.recorder.print_summary(self.report_path)
         self.close()
         shutil.rmtree(self.directory, ignore_errors=True)
