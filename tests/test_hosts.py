@@ -30,6 +30,7 @@ from helpers import Session, failure_block, lead, run, scope_line
 from standin_hosts import StandInHost, fake_ssh
 
 from pytest_elastic_timer.core import hostid
+from pytest_elastic_timer.plugin import launcher
 
 HOSTS = ("host-a", "host-b")
 XDIST = (
@@ -504,3 +505,51 @@ def test_ending_the_worker_that_started_a_hosts_watchdog_ends_no_session(
     assert (record["action"], record["host"]) in {("terminated", "host-a"), ("killed", "host-a")}
     assert "pytest was ended" not in session.text, session.text
     assert session.report is not None and session.report["session"]["root_died"] is False
+
+
+# The first test kills its host's watchdog; the plugin notices before the next test.
+HOST_WATCHDOG_KILLED = """
+import os
+import signal
+import time
+
+import psutil
+
+
+def test_kill_the_hosts_watchdog(elastic_timer_server):
+    os.kill(elastic_timer_server.pid, signal.SIGKILL)
+    while psutil.pid_exists(elastic_timer_server.pid):
+        if psutil.Process(elastic_timer_server.pid).status() == psutil.STATUS_ZOMBIE:
+            break
+        time.sleep(0.01)
+    time.sleep(1.1)  # the plugin looks at the connection at most once a second
+
+
+def test_after():
+    pass
+"""
+
+
+def test_a_hosts_watchdog_lost_mid_session_fails_the_session(
+    pytester: pytest.Pytester, stand_in_hosts: Callable[..., list[StandInHost]]
+) -> None:
+    """As when the controller's watchdog dies: the loss is summarized on the
+    controller's terminal and in its report, naming the host, and the session fails
+    although every test passed."""
+    hosts = stand_in_hosts("host-a")
+    pytester.makepyfile(test_lost=HOST_WATCHDOG_KILLED)
+    session = run(pytester, *XDIST, GRACE, *tx(hosts, 1), lean=False, timeout=60)
+    session.assert_clean()
+    session.result.assert_outcomes(passed=2, warnings=1)
+    assert session.result.ret == pytest.ExitCode.TESTS_FAILED
+    section = session.stdout.split("elastic-timer: watchdog lost", 1)[-1]
+    assert "died before test_lost.py::test_after" in section, session.stdout
+    assert "(on host host-a, worker gw0)" in section, session.stdout
+    assert session.report is not None
+    lost = session.report["session"]["watchdog_lost"]
+    assert "died before test_lost.py::test_after" in lost and "on host host-a" in lost
+    assert session.report["session"]["exitstatus"] == pytest.ExitCode.TESTS_FAILED
+    # A watchdog killed with SIGKILL cannot remove its directory: the next session on
+    # that host sweeps it (launcher.sweep_stale), as here at once.
+    (left,) = hosts[0].session_dirs()
+    assert launcher.sweep_stale(hosts[0].shm(), older_than=0) == [left]

@@ -301,6 +301,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         process.flush_trace()
     if state.watchdog is not None:
         end: dict[str, Any] = {"exitstatus": state.exitstatus}
+        if state.lost_watchdog:  # another host's (the report is this one's, alive)
+            end["watchdog_lost"] = state.lost_watchdog
         facts = lifecycle.facts_for_hooks(config, state)
         _register_slow_if_used(config, facts)
         found = expiry_records(config)

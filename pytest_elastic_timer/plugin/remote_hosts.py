@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 from collections.abc import Generator
 from typing import Any
 
@@ -30,10 +31,12 @@ import pytest
 
 from pytest_elastic_timer.core import hostid, records, startup, wire
 from pytest_elastic_timer.plugin import launcher
+from pytest_elastic_timer.plugin.state import SESSION, SessionState, worker_id
 from pytest_elastic_timer.scope import client, scopes
 
 HOST_KEY = "elastic_timer_host"  # workerinput: the controller's identity and settings
 RECORDS_ATTRIBUTE = "elastic_timer_records"  # on reports and in workeroutput
+LOST_KEY = "elastic_timer_watchdog_lost"  # workeroutput: why the host's watchdog is gone
 
 
 # -- controller ----------------------------------------------------------------------
@@ -83,10 +86,18 @@ class RemoteRecords:
             forward(found)
         return (yield)
 
+    def __init__(self, state: SessionState) -> None:
+        self.state = state
+
     def pytest_testnodedown(self, node: Any, error: Any) -> None:
         output = getattr(node, "workeroutput", None)
         if isinstance(output, dict):
             forward(output.get(RECORDS_ATTRIBUTE))
+            lost = output.get(LOST_KEY)
+            if isinstance(lost, str) and lost and not self.state.lost_watchdog:
+                # The session's guarantees did not hold there: it fails, as for the
+                # controller's own watchdog (lifecycle.check_watchdog).
+                self.state.lost_watchdog = lost
 
 
 def _fetch_on_host(channel: object, token: str, worker: str, patience: float) -> None:
@@ -177,6 +188,10 @@ class RemoteWorker:
             output = getattr(self.config, "workeroutput", None)
             if found and isinstance(output, dict):
                 output[RECORDS_ATTRIBUTE] = found
+            lost = self.config.stash[SESSION].lost_watchdog
+            if lost and isinstance(output, dict):
+                where = f"on host {socket.gethostname()}, worker {worker_id(self.config)}"
+                output[LOST_KEY] = f"{lost} ({where})"
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         self.host.link.leave()

@@ -85,7 +85,9 @@ def _offer_host_watchdog(node: Any, address: str | None) -> None:
         address, settings.grace, settings.scale
     )
     if not config.pluginmanager.has_plugin(remote_hosts.RemoteRecords.NAME):
-        config.pluginmanager.register(remote_hosts.RemoteRecords(), remote_hosts.RemoteRecords.NAME)
+        config.pluginmanager.register(
+            remote_hosts.RemoteRecords(state), remote_hosts.RemoteRecords.NAME
+        )
 
 
 def wait_for_record(
