@@ -95,15 +95,32 @@ def ask(dog: wd.Watchdog, sock: socket.socket, op: str, **fields: Any) -> tuple[
     return answer[0]
 
 
-FORWARD = """
+# Another process of the session sends op argv[2] with the fields argv[3] (JSON), and
+# prints the answer if one comes (a message that is dropped gets none).
+SEND = """
 import json, socket, sys
 from pytest_elastic_timer.core import wire
 sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
 sock.connect(sys.argv[1])
-sock.send(wire.encode("forward", record=json.loads(sys.argv[2])))
-sock.settimeout(10)
-print(wire.decode(sock.recv(65536))[0])
+sock.send(wire.encode(sys.argv[2], **json.loads(sys.argv[3])))
+sock.settimeout(float(sys.argv[4]))
+try:
+    print(wire.decode(sock.recv(65536))[0])
+except TimeoutError:
+    print("no answer")
 """
+
+
+def from_another_process(dog: wd.Watchdog, op: str, patience: float, **fields: Any) -> str:
+    """What the watchdog answers to ``op`` sent by another process of the session."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", SEND, dog.address, op, json.dumps(fields), str(patience)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert pump(dog, lambda: child.poll() is not None, timeout=20)
+    out, _ = child.communicate()
+    return out.strip()
 
 
 def test_a_record_of_another_host_is_kept_only_when_the_controller_forwards_it(
@@ -123,16 +140,26 @@ def test_a_record_of_another_host_is_kept_only_when_the_controller_forwards_it(
     assert "gw3" in dog.workers
 
     # A process of the session that is not the controller's pytest is refused.
-    child = subprocess.Popen(
-        [sys.executable, "-c", FORWARD, dog.address, json.dumps({**RECORD.to_json(), "pid": 6})],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert pump(dog, lambda: child.poll() is not None, timeout=20)
-    assert child.stdout is not None and child.stdout.read().strip() == "refused"
-    child.stdout.close()
+    record = {**RECORD.to_json(), "pid": 6}
+    assert from_another_process(dog, "forward", 10, record=record) == "refused"
     assert [r.pid for r in dog.records] == [5]
     assert dog.dropped == 3
+
+
+def test_the_controller_names_workers_of_other_hosts_and_nobody_else_does(
+    assembly: Assembly,
+) -> None:
+    dog = assembly.dog
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+        sock.connect(dog.address)
+        for fields in ({"worker": "gw7"}, {"worker": ""}, {"worker": 7}, {}):
+            sock.send(wire.encode("worker", **fields))
+        assert pump(dog, lambda: dog.dropped == 3)
+    assert "gw7" in dog.workers
+    # A process of the session that is not the controller's pytest is not heard.
+    assert from_another_process(dog, "worker", 0.5, worker="gw8") == "no answer"
+    assert dog.dropped == 4
+    assert "gw8" not in dog.workers
 
 
 JOIN = """

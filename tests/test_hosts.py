@@ -130,6 +130,9 @@ def test_remote_workers_are_enforced_and_reported_by_scope_with_their_host(
     assert session.report is not None
     assert all(r["host"] in HOSTS for r in session.report["expired"])
     assert {gil["worker"], sleep["worker"]} <= set(session.report["session"]["workers"])
+    # Every worker of the session, also those that made no record.
+    quick = {ran(pytester, f"test_quick{n}")[0][1] for n in range(6)}
+    assert quick <= set(session.report["session"]["workers"]), session.report["session"]
     # Ending a worker on a host ends no session: only pytest's own end is said so.
     assert "pytest was ended" not in session.text, session.text
 

@@ -89,6 +89,14 @@ class RemoteRecords:
     def __init__(self, state: SessionState) -> None:
         self.state = state
 
+    def pytest_testnodeready(self, node: Any) -> None:
+        # The session's workers, in its report: those of other hosts never register
+        # with this host's watchdog themselves.
+        worker = getattr(getattr(node, "gateway", None), "id", None)
+        state = scopes.current_state()
+        if isinstance(worker, str) and worker and state is not None:
+            state.send("worker", worker=worker)
+
     def pytest_testnodedown(self, node: Any, error: Any) -> None:
         output = getattr(node, "workeroutput", None)
         if isinstance(output, dict):

@@ -23,7 +23,9 @@ from pytest_elastic_timer.watchdog.host import Host
 
 
 class ForwardedRecords:
-    """Op ``forward``: a record of another host, from the controller's pytest."""
+    """Op ``forward``: a record of another host, from the controller's pytest; op
+    ``worker``: an xdist worker is up, which may be on another host (those of this
+    host register themselves)."""
 
     def __init__(self, host: Host, controller_pid: int, worker_seen: Callable[[str], None]) -> None:
         self.host = host
@@ -31,7 +33,7 @@ class ForwardedRecords:
         self.worker_seen = worker_seen  # the session's workers include those of other hosts
 
     def handlers(self) -> dict[str, Any]:
-        return {"forward": self.forward}
+        return {"forward": self.forward, "worker": self.worker}
 
     def forward(self, conn: socket.socket, peer_pid: int, fields: dict[str, Any]) -> None:
         try:
@@ -44,6 +46,14 @@ class ForwardedRecords:
         if record.worker:
             self.worker_seen(record.worker)
         self.host.send(conn, "forwarded")
+
+    def worker(self, conn: socket.socket, peer_pid: int, fields: dict[str, Any]) -> None:
+        if peer_pid != self.controller_pid:
+            raise wire.BadMessage("workers are named by the controller's pytest")
+        name = wire.field(fields, "worker", str)
+        if not name or len(name) > 64:
+            raise wire.BadMessage("a worker id has 1 to 64 characters")
+        self.worker_seen(name)
 
     def _record(self, peer_pid: int, fields: dict[str, Any]) -> records.ExpiryRecord:
         if peer_pid != self.controller_pid:
