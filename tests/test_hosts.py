@@ -310,17 +310,32 @@ thread.join()
 """
 
 
+# The guide's way to keep a socket server serving: started again whenever it ends.
+SERVER_IN_A_LOOP = """
+import subprocess
+import sys
+
+while True:
+    subprocess.run([sys.executable, *sys.argv[1:]])
+"""
+
+
 def socket_server(
-    host: StandInHost, directory: Path, *, threaded: bool = False
+    host: StandInHost, directory: Path, *, threaded: bool = False, loop: bool = False
 ) -> tuple[psutil.Process, str]:
-    """execnet's socket server on ``host``; returns it and a ``--tx`` spec for it."""
+    """execnet's socket server on ``host`` (``loop``: under a loop that starts it
+    again); returns the outermost process and a ``--tx`` spec for it."""
     port = free_port()
     script = SOCKET_SERVER
     if threaded:
         script = directory / "threaded_socket_server.py"
         script.write_text(THREADED_SOCKET_SERVER)
+    argv = [str(script), f"127.0.0.1:{port}"]
+    if loop:
+        (directory / "server_in_a_loop.py").write_text(SERVER_IN_A_LOOP)
+        argv.insert(0, str(directory / "server_in_a_loop.py"))
     launcher = subprocess.Popen(
-        [str(host.wrapper), str(script), f"127.0.0.1:{port}"],
+        [str(host.wrapper), *argv],
         cwd=directory,
         stdout=subprocess.DEVNULL,
     )
@@ -342,7 +357,8 @@ def socket_project(pytester: pytest.Pytester, more_tests: str = "") -> Path:
     before it (the rsync) has let go of it: otherwise the worker runs in a thread of
     its own, where a thread of the package raises the ScopeExpired, which Python code
     gets and a call blocked in C does not. The sleep polls, so both ways end it; the C
-    loop is left out (ending the worker would end the server it runs in).
+    loop is left out (ending the worker ends the server it runs in: see the test of a
+    server started again in a loop).
     """
     project = pytester.mkdir("project")
     tests = textwrap.dedent(TESTS).replace("sum(range(10**10))", "pass")
@@ -392,6 +408,38 @@ def test_a_socket_gateway_takes_the_same_path(
     finally:
         with contextlib.suppress(psutil.Error):
             server.kill()
+
+
+def test_a_worker_ended_in_a_socket_server_started_again_in_a_loop_is_replaced(
+    pytester: pytest.Pytester, stand_in_hosts: Callable[..., list[StandInHost]]
+) -> None:
+    """The watchdog there ends a worker stuck in C, and with it the server it ran in;
+    the loop starts the server again. The controller waits for it to fetch the
+    record, and xdist's replacement worker then finds a server to connect to."""
+    (host,) = stand_in_hosts("host-a")
+    project = pytester.mkdir("project")
+    (project / "test_remote.py").write_text(textwrap.dedent(TESTS))
+    looping, spec = socket_server(host, pytester.path, loop=True)
+    try:
+        session = run(
+            pytester,
+            *XDIST,
+            GRACE,
+            *("--tx", spec, f"--rsyncdir={project}", "-W", "ignore::DeprecationWarning"),
+            str(project / "test_remote.py"),
+            lean=False,
+            timeout=60,
+        )
+        session.assert_clean()
+        assert "INTERNALERROR" not in session.text, session.text
+        gil = session.record("test_gil::call")
+        assert (gil["action"], gil["host"]) in {("terminated", "host-a"), ("killed", "host-a")}
+        outcomes = session.result.parseoutcomes()
+        assert (outcomes.get("passed"), outcomes.get("failed")) == (6, 2), session.stdout
+    finally:
+        for proc in [looping, *looping.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
 
 
 def test_a_socket_worker_outside_the_main_thread_is_interrupted_on_its_host(

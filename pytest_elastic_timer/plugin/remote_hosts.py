@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from pytest_elastic_timer.core import hostid, records, startup, wire
+from pytest_elastic_timer.core import hostid, records, startup, unpatched, wire
 from pytest_elastic_timer.plugin import launcher
 from pytest_elastic_timer.plugin.state import SESSION, SessionState, worker_id
 from pytest_elastic_timer.scope import client, scopes
@@ -123,17 +123,31 @@ def fetch_from_host(spec: Any, token: str, worker: str, patience: float) -> list
     import execnet
 
     text = "//".join(p for p in str(spec).split("//") if p and not p.startswith("id="))
-    group = execnet.Group()
-    try:
-        gateway = group.makegateway(text)
-        channel = gateway.remote_exec(_fetch_on_host, token=token, worker=worker, patience=patience)
-        found = channel.receive(timeout=patience + 30.0)
-    except Exception:  # a host that cannot be reached again: the report stays xdist's
-        return []
-    finally:
-        with contextlib.suppress(Exception):
-            group.terminate(timeout=5.0)
-    return [r for r in found if isinstance(r, dict)] if isinstance(found, list) else []
+    # A socket server that ran the ended worker in its own process went with it, and
+    # is started again by the loop it runs in: its port refuses until then.
+    give_up = unpatched.monotonic() + patience
+    while True:
+        group = execnet.Group()
+        try:
+            gateway = group.makegateway(text)
+            channel = gateway.remote_exec(
+                _fetch_on_host, token=token, worker=worker, patience=patience
+            )
+            found = channel.receive(timeout=patience + 30.0)
+        except ConnectionRefusedError:
+            if unpatched.monotonic() < give_up:
+                unpatched.sleep(REFUSED_RETRY)
+                continue
+            return []
+        except Exception:  # a host that cannot be reached again: the report stays xdist's
+            return []
+        finally:
+            with contextlib.suppress(Exception):
+                group.terminate(timeout=5.0)
+        return [r for r in found if isinstance(r, dict)] if isinstance(found, list) else []
+
+
+REFUSED_RETRY = 0.1  # seconds between attempts to reach a socket server starting again
 
 
 def maybe_remote(spec: Any) -> bool:
