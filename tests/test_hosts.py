@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -595,12 +596,44 @@ def test_a_hosts_watchdog_lost_mid_session_fails_the_session(
     assert session.result.ret == pytest.ExitCode.TESTS_FAILED
     section = session.stdout.split("elastic-timer: watchdog lost", 1)[-1]
     assert "died before test_lost.py::test_after" in section, session.stdout
-    assert "(on host host-a, worker gw0)" in section, session.stdout
+    assert re.search(r"the watchdog \(pid \d+, host host-a\) died before", section), section
+    assert "(worker gw0)" in section, session.stdout
     assert session.report is not None
     lost = session.report["session"]["watchdog_lost"]
-    assert "died before test_lost.py::test_after" in lost and "on host host-a" in lost
+    assert "died before test_lost.py::test_after" in lost and "host host-a" in lost
     assert session.report["session"]["exitstatus"] == pytest.ExitCode.TESTS_FAILED
     # A watchdog killed with SIGKILL cannot remove its directory: the next session on
     # that host sweeps it (launcher.sweep_stale), as here at once.
     (left,) = hosts[0].session_dirs()
     assert launcher.sweep_stale(hosts[0].shm(), older_than=0) == [left]
+
+
+LEAVES_A_PROCESS = """
+import subprocess
+import time
+
+import pytest
+
+
+@pytest.mark.expires(30)
+def test_leaves_a_sleep():
+    subprocess.Popen(["sleep", "300"])
+    time.sleep(0.2)
+"""
+
+
+def test_pids_of_another_host_are_said_to_be_that_hosts(
+    pytester: pytest.Pytester, stand_in_hosts: Callable[..., list[StandInHost]]
+) -> None:
+    """A worker's leftover process, named by its pid on the controller's terminal, is
+    said to be on its host: the same pid there is another process."""
+    hosts = stand_in_hosts("host-a")
+    pytester.makepyfile(test_leaves=LEAVES_A_PROCESS)
+    session = run(pytester, *XDIST, GRACE, *tx(hosts, 1), "--elastic-timer-leaks=kill", lean=False)
+    session.assert_clean()
+    session.result.assert_outcomes(passed=1, warnings=1)
+    assert re.search(
+        r"left 1 process\(es\) running after its teardown \(ended, on host host-a\): \d+ "
+        r"\(sleep 300\)",
+        session.stdout,
+    ), session.stdout

@@ -241,8 +241,10 @@ def _add_process_sections(item: pytest.Item, report: pytest.TestReport) -> None:
             report.sections.append(("elastic-timer: collective", line))
         for child in [*record.children, *record.peers]:
             if child.get("stack"):
+                # (on another host, the pid is that host's)
+                host = f"host {record.host}" if record.host else ""
                 who = ", ".join(
-                    str(x) for x in (child.get("label"), f"pid {child.get('pid')}") if x
+                    str(x) for x in (child.get("label"), f"pid {child.get('pid')}", host) if x
                 )
                 report.sections.append(
                     (

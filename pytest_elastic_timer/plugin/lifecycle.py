@@ -205,12 +205,14 @@ def watchdog_lost(item: pytest.Item) -> None:
     state = item.config.stash[SESSION]
     process = scopes.process_state()
     pid = state.watchdog.pid if state.watchdog else process.watchdog_pid
+    # On another host, the watchdog is that host's, and so is its pid.
+    whose = f"pid {pid}, host {state.other_host}" if state.other_host else f"pid {pid}"
     if process.refused:
         what = f"the session's watchdog refused this process ({process.refused})"
     elif process.welcomed:
-        what = f"the watchdog (pid {pid}) died"
+        what = f"the watchdog ({whose}) died"
     else:  # no answer to the hello ever came: it ended before it served anyone
-        what = f"the watchdog (pid {pid}) did not start, or ended,"
+        what = f"the watchdog ({whose}) did not start, or ended,"
     state.lost_watchdog = (
         f"{what} before {item.nodeid}; scopes are enforced in-process from then on "
         "(no stack dumps, no termination of hung processes)"

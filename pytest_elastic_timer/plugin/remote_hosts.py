@@ -212,8 +212,7 @@ class RemoteWorker:
                 output[RECORDS_ATTRIBUTE] = found
             lost = self.config.stash[SESSION].lost_watchdog
             if lost and isinstance(output, dict):
-                where = f"on host {socket.gethostname()}, worker {worker_id(self.config)}"
-                output[LOST_KEY] = f"{lost} ({where})"
+                output[LOST_KEY] = f"{lost} (worker {worker_id(self.config)})"
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         self.host.link.leave()
@@ -246,6 +245,7 @@ def join(config: pytest.Config, controller: Any) -> bool:
     home = hostid.HostIdentity.from_json(controller.get("identity"))
     if home is None or home.same_host(hostid.current()):
         return False
+    config.stash[SESSION].other_host = socket.gethostname()
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     grace = float(controller.get("grace", 2.0))
     scale = float(controller.get("scale", 1.0))

@@ -164,6 +164,8 @@ class RunningTest:
                 for p in left
             )
             done = "ended" if end else "still running"
+            if state.other_host:  # the pids are that host's
+                done += f", on host {state.other_host}"
             warnings.warn(
                 pytest.PytestWarning(
                     f"{self.nodeid} left {len(left)} process(es) running after its teardown "

@@ -49,6 +49,9 @@ class SessionState:
         self.torch_timer_file: TorchTimerFile | None = None
         self.session: pytest.Session | None = None
         self.lost_watchdog = ""  # why and when the watchdog went away mid-session
+        # The host's name where this worker runs on a host other than the controller's
+        # ("" at home): pids it names are that host's.
+        self.other_host = ""
         self.expiry_listener: Callable[[], None] | None = None
         # Absolute file of each location path items report, relative to rootdir.
         self.files: dict[str, str] = {}
