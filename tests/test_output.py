@@ -74,6 +74,28 @@ def test_a_traceback_keeps_its_frames_from_the_test_on() -> None:
     assert len(lines) == 3, lines
 
 
+def test_the_runners_frames_copied_to_another_host_are_left_out_too() -> None:
+    """xdist's --rsyncdir copies pytest, pluggy and xdist next to the tests of another
+    host: their frames there are the runner's, though nothing here imported them."""
+    remote = "/home/ci/remote-run"
+    dump = "\n".join(
+        [
+            "Current thread 0x00007f (most recent call first):",
+            f'  File "{remote}/project/test_x.py", line 9 in spin',
+            f'  File "{remote}/project/test_x.py", line 5 in test_gil',
+            f'  File "{remote}/_pytest/python.py", line 157 in pytest_pyfunc_call',
+            f'  File "{remote}/pluggy/_callers.py", line 121 in _multicall',
+            f'  File "{remote}/_pytest/runner.py", line 174 in pytest_runtest_call',
+            f'  File "{remote}/xdist/remote.py", line 195 in run_one_test',
+            f'  File "{remote}/execnet/gateway_base.py", line 1291 in executetask',
+        ]
+    )
+    lines = trim_stack(dump).splitlines()
+    assert lines[1:3] == dump.splitlines()[1:3], lines
+    assert HIDDEN.match(lines[3]) and lines[3].strip().startswith("... 5 outer frames"), lines
+    assert len(lines) == 4, lines
+
+
 @pytest.mark.parametrize("flag", ["--full-trace", "-vv"])
 def test_full_trace_or_vv_shows_stacks_whole(pytester: pytest.Pytester, flag: str) -> None:
     pytester.makepyfile(test_stuck=STUCK_WORKER)

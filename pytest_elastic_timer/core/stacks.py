@@ -58,6 +58,10 @@ _INSTALLED = tuple(
     for site in ("site-packages", "dist-packages")
     for name in RUNNER_PACKAGES
 )
+# The runner's packages as xdist's --rsyncdir copies them next to the tests of another
+# host, where they are neither installed nor imported in this process. Only names no
+# project's own package has: a frame of the tests themselves is never among them.
+_COPIED = tuple(os.sep + name + os.sep for name in ("_pytest", "pluggy", "xdist", "execnet"))
 
 
 def is_runner_frame(file: str) -> bool:
@@ -69,7 +73,7 @@ def is_runner_frame(file: str) -> bool:
         return True
     if os.path.basename(file) in _SCRIPTS:
         return True
-    if any(part in file for part in _INSTALLED):
+    if any(part in file for part in _INSTALLED) or any(part in file for part in _COPIED):
         return True
     if _RUNNER_DIRS is None:
         _RUNNER_DIRS = _runner_dirs()
