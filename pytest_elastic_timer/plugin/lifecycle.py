@@ -189,15 +189,11 @@ def _end_session(state: SessionState, exc: ScopeExpired) -> BaseException:
         # Where the exception is caught (a fixture finalizer records it as a teardown
         # error), the session must still not start another test.
         session.shouldstop = reason
-    if worker or phase in _TEST_PHASES:
-        # In a test the expiry fails that test, which is reported by the scope as any
-        # other (shouldstop then ends the session, as interrupted); outside tests, or
-        # in an xdist worker (xdist takes Exit there for Ctrl-C), it is where it lands.
-        return exc
+    if worker:
+        return exc  # xdist takes Exit in a worker for Ctrl-C: fail where it is instead
+    # Not a ScopeExpired, even in a test: code may catch that (it is a TimeoutError),
+    # and it may land in the reporting hooks after a phase, outside pytest's catch.
     return pytest.exit.Exception(reason)
-
-
-_TEST_PHASES = ("setup", "call", "teardown")
 
 
 def watchdog_lost(item: pytest.Item) -> None:
