@@ -214,6 +214,7 @@ def test_whose_ring_it_is_reads_from_its_header_alone(ranks: Any, tmp_path: Path
     zero.op("all_reduce")
     header, whole = col.read_ring(zero.writer.path, header_only=True), zero.ring()
     assert header is not None and (header.entries, header.groups) == ([], {})
+    assert header.header_only and not whole.header_only
     fields = ("path", "pid", "rank", "world", "created", "label", "nodeid", "world_id")
     assert [getattr(header, f) for f in fields] == [getattr(whole, f) for f in fields]
     found = col.rings_of_test(str(tmp_path), "test_x.py::test_y")

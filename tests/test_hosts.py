@@ -582,25 +582,35 @@ def test_after():
 """
 
 
+@pytest.mark.parametrize("in_the_last_test", [False, True])
 def test_a_hosts_watchdog_lost_mid_session_fails_the_session(
-    pytester: pytest.Pytester, stand_in_hosts: Callable[..., list[StandInHost]]
+    pytester: pytest.Pytester,
+    stand_in_hosts: Callable[..., list[StandInHost]],
+    in_the_last_test: bool,
 ) -> None:
     """As when the controller's watchdog dies: the loss is summarized on the
     controller's terminal and in its report, naming the host, and the session fails
-    although every test passed."""
+    although every test passed; also when it died in the worker's last test."""
     hosts = stand_in_hosts("host-a")
-    pytester.makepyfile(test_lost=HOST_WATCHDOG_KILLED)
+    tests = HOST_WATCHDOG_KILLED
+    if in_the_last_test:
+        tests = tests.split("def test_after", 1)[0]
+    pytester.makepyfile(test_lost=tests)
     session = run(pytester, *XDIST, GRACE, *tx(hosts, 1), lean=False, timeout=60)
     session.assert_clean()
-    session.result.assert_outcomes(passed=2, warnings=1)
+    if in_the_last_test:
+        session.result.assert_outcomes(passed=1)
+        when = "died during the session"
+    else:
+        session.result.assert_outcomes(passed=2, warnings=1)
+        when = "died before test_lost.py::test_after"
     assert session.result.ret == pytest.ExitCode.TESTS_FAILED
     section = session.stdout.split("elastic-timer: watchdog lost", 1)[-1]
-    assert "died before test_lost.py::test_after" in section, session.stdout
-    assert re.search(r"the watchdog \(pid \d+, host host-a\) died before", section), section
+    assert re.search(rf"the watchdog \(pid \d+, host host-a\) {when}", section), section
     assert "(worker gw0)" in section, session.stdout
     assert session.report is not None
     lost = session.report["session"]["watchdog_lost"]
-    assert "died before test_lost.py::test_after" in lost and "host host-a" in lost
+    assert when in lost and "host host-a" in lost
     assert session.report["session"]["exitstatus"] == pytest.ExitCode.TESTS_FAILED
     # A watchdog killed with SIGKILL cannot remove its directory: the next session on
     # that host sweeps it (launcher.sweep_stale), as here at once.
@@ -637,3 +647,37 @@ def test_pids_of_another_host_are_said_to_be_that_hosts(
         r"\(sleep 300\)",
         session.stdout,
     ), session.stdout
+
+
+CHILD_AT_THE_EXPIRY = """
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+@pytest.mark.expires(1.5)
+def test_with_a_child():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(60)
+    finally:
+        child.kill()
+        child.wait()
+"""
+
+
+def test_a_remote_records_children_are_named_with_their_host(
+    pytester: pytest.Pytester, stand_in_hosts: Callable[..., list[StandInHost]]
+) -> None:
+    """The stack of a child taken at the expiry, a section of the failure, names the
+    host its pid belongs to."""
+    hosts = stand_in_hosts("host-a")
+    pytester.makepyfile(test_child=CHILD_AT_THE_EXPIRY)
+    session = run(pytester, *XDIST, GRACE, *tx(hosts, 1), lean=False)
+    session.assert_clean()
+    record = session.record("test_with_a_child::call")
+    (child,) = [c for c in record["children"] if c.get("stack")]
+    block = failure_block(session, "test_with_a_child")
+    assert f"elastic-timer: stack of pid {child['pid']}, host host-a at expiry" in block, block

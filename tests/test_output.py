@@ -94,6 +94,9 @@ def test_the_runners_frames_copied_to_another_host_are_left_out_too() -> None:
     assert lines[1:3] == dump.splitlines()[1:3], lines
     assert HIDDEN.match(lines[3]) and lines[3].strip().startswith("... 5 outer frames"), lines
     assert len(lines) == 4, lines
+    # A project's own folder of that name is the project's.
+    own = dump.replace(f"{remote}/project/test_x.py", f"{remote}/tests/xdist/test_x.py")
+    assert trim_stack(own).splitlines()[1:3] == own.splitlines()[1:3]
 
 
 @pytest.mark.parametrize("flag", ["--full-trace", "-vv"])

@@ -332,6 +332,7 @@ class Ring:
     worker: str
     groups: dict[str, list[int]] = field(default_factory=dict)
     entries: list[Entry] = field(default_factory=list)
+    header_only: bool = False  # read without its groups and entries (read_ring)
 
     def current(self) -> list[Entry]:
         """The entries since the last ``init_process_group`` (all when there is none in
@@ -405,6 +406,7 @@ def read_ring(path: str, *, header_only: bool = False) -> Ring | None:
         worker=_text(data, T_WORKER),
         groups=groups,
         entries=entries,
+        header_only=header_only,
     )
 
 

@@ -58,26 +58,50 @@ _INSTALLED = tuple(
     for site in ("site-packages", "dist-packages")
     for name in RUNNER_PACKAGES
 )
-# The runner's packages as xdist's --rsyncdir copies them next to the tests of another
-# host, where they are neither installed nor imported in this process. Only names no
-# project's own package has: a frame of the tests themselves is never among them.
-_COPIED = tuple(os.sep + name + os.sep for name in ("_pytest", "pluggy", "xdist", "execnet"))
+# The runner's packages that xdist's --rsyncdir copies next to the tests of another
+# host, where their frames are neither installed nor imported in this process.
+_COPIED_PACKAGES = ("_pytest", "pluggy", "xdist", "execnet")
+_COPIED_FILES: tuple[str, ...] | None = None
+
+
+def _copied_files() -> tuple[str, ...]:
+    """Each module file of :data:`_COPIED_PACKAGES` as its path below the package's
+    parent (``/_pytest/runner.py``): a copy of it is one of these files wherever it lies.
+    Whole module paths, not folder names: a project's own ``tests/xdist/`` is its own."""
+    found: list[str] = []
+    for name in _COPIED_PACKAGES:
+        file = getattr(sys.modules.get(name), "__file__", None)
+        if not file:
+            continue
+        package = os.path.dirname(os.path.abspath(file))
+        parent = os.path.dirname(package)
+        for directory, _, names in os.walk(package):
+            found.extend(
+                os.sep + os.path.relpath(os.path.join(directory, n), parent)
+                for n in names
+                if n.endswith(".py")
+            )
+    return tuple(found)
 
 
 def is_runner_frame(file: str) -> bool:
     """Whether a frame in ``file`` belongs to what runs the test, not to the test."""
-    global _RUNNER_DIRS
+    global _RUNNER_DIRS, _COPIED_FILES
     if file.endswith(_INSIDE_THE_TEST):
         return False
     if file in _LAUNCHERS or file.endswith(_LAUNCHER_FILES):
         return True
     if os.path.basename(file) in _SCRIPTS:
         return True
-    if any(part in file for part in _INSTALLED) or any(part in file for part in _COPIED):
+    if any(part in file for part in _INSTALLED):
         return True
     if _RUNNER_DIRS is None:
         _RUNNER_DIRS = _runner_dirs()
-    return file.startswith(_RUNNER_DIRS)
+    if file.startswith(_RUNNER_DIRS):
+        return True
+    if _COPIED_FILES is None:
+        _COPIED_FILES = _copied_files()
+    return file.endswith(_COPIED_FILES)
 
 
 def _test_frame(files: list[str]) -> int:

@@ -209,22 +209,24 @@ def watchdog_lost(item: pytest.Item) -> None:
         what = f"the watchdog ({whose}) died"
     else:  # no answer to the hello ever came: it ended before it served anyone
         what = f"the watchdog ({whose}) did not start, or ended,"
-    state.lost_watchdog = (
+    why = (
         f"{what} before {item.nodeid}; scopes are enforced in-process from then on "
         "(no stack dumps, no termination of hung processes)"
     )
+    state.lose_watchdog(why)
     reporter = item.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
-        reporter.write_line(f"\nelastic-timer: {state.lost_watchdog}", red=True, bold=True)
-    warnings.warn(pytest.PytestWarning(f"elastic-timer: {state.lost_watchdog}"), stacklevel=1)
+        reporter.write_line(f"\nelastic-timer: {why}", red=True, bold=True)
+    warnings.warn(pytest.PytestWarning(f"elastic-timer: {why}"), stacklevel=1)
 
 
 def check_watchdog(session: pytest.Session, state: SessionState) -> None:
     """At the session's end: a watchdog that died after the last per-test look (in the
     last test, say) is still reported, and fails the session."""
     watchdog = state.watchdog
-    if watchdog is not None and not state.lost_watchdog and not watchdog.alive():
-        state.lost_watchdog = (
+    told = watchdog is not None and f"(pid {watchdog.pid})" in state.lost_watchdog
+    if watchdog is not None and not told and not watchdog.alive():
+        state.lose_watchdog(
             f"the watchdog (pid {watchdog.pid}) died during the session; scopes "
             "were enforced in-process from then on"
         )

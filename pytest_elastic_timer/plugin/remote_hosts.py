@@ -78,6 +78,9 @@ class RemoteRecords:
 
     NAME = "elastic_timer_remote_records"
 
+    def __init__(self, state: SessionState) -> None:
+        self.state = state
+
     # A wrapper: the records are in before any plugin reads them for this report.
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> Generator[None, None, None]:
@@ -85,9 +88,6 @@ class RemoteRecords:
         if found:
             forward(found)
         return (yield)
-
-    def __init__(self, state: SessionState) -> None:
-        self.state = state
 
     def pytest_testnodeready(self, node: Any) -> None:
         # The session's workers, in its report: those of other hosts never register
@@ -102,10 +102,10 @@ class RemoteRecords:
         if isinstance(output, dict):
             forward(output.get(RECORDS_ATTRIBUTE))
             lost = output.get(LOST_KEY)
-            if isinstance(lost, str) and lost and not self.state.lost_watchdog:
+            if isinstance(lost, str) and lost:
                 # The session's guarantees did not hold there: it fails, as for the
                 # controller's own watchdog (lifecycle.check_watchdog).
-                self.state.lost_watchdog = lost
+                self.state.lose_watchdog(lost)
 
 
 def _fetch_on_host(channel: object, token: str, worker: str, patience: float) -> None:
@@ -123,31 +123,38 @@ def fetch_from_host(spec: Any, token: str, worker: str, patience: float) -> list
     import execnet
 
     text = "//".join(p for p in str(spec).split("//") if p and not p.startswith("id="))
-    # A socket server that ran the ended worker in its own process went with it, and
-    # is started again by the loop it runs in: its port refuses until then.
-    give_up = unpatched.monotonic() + patience
+    _wait_for_socket_server(spec, unpatched.monotonic() + patience)
+    group = execnet.Group()
+    try:
+        gateway = group.makegateway(text)
+        channel = gateway.remote_exec(_fetch_on_host, token=token, worker=worker, patience=patience)
+        found = channel.receive(timeout=patience + 30.0)
+    except Exception:  # a host that cannot be reached again: the report stays xdist's
+        return []
+    finally:
+        with contextlib.suppress(Exception):
+            group.terminate(timeout=5.0)
+    return [r for r in found if isinstance(r, dict)] if isinstance(found, list) else []
+
+
+def _wait_for_socket_server(spec: Any, give_up: float) -> None:
+    """For a ``socket=`` spec, wait until its port accepts (until ``give_up`` at most).
+    execnet's socket server runs a worker in its own process: the worker that was ended
+    took the server with it, and the loop the guide runs it in starts it again."""
+    address = getattr(spec, "socket", None)
+    if not isinstance(address, str) or ":" not in address:
+        return
+    host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        return
     while True:
-        group = execnet.Group()
-        try:
-            gateway = group.makegateway(text)
-            channel = gateway.remote_exec(
-                _fetch_on_host, token=token, worker=worker, patience=patience
-            )
-            found = channel.receive(timeout=patience + 30.0)
-        except ConnectionRefusedError:
-            if unpatched.monotonic() < give_up:
-                unpatched.sleep(REFUSED_RETRY)
-                continue
-            return []
-        except Exception:  # a host that cannot be reached again: the report stays xdist's
-            return []
-        finally:
-            with contextlib.suppress(Exception):
-                group.terminate(timeout=5.0)
-        return [r for r in found if isinstance(r, dict)] if isinstance(found, list) else []
-
-
-REFUSED_RETRY = 0.1  # seconds between attempts to reach a socket server starting again
+        with socket.socket() as probe:
+            probe.settimeout(1.0)
+            if probe.connect_ex((host or "localhost", int(port))) == 0:
+                return
+        if unpatched.monotonic() >= give_up:
+            return
+        unpatched.sleep(0.1)
 
 
 def maybe_remote(spec: Any) -> bool:
@@ -210,9 +217,21 @@ class RemoteWorker:
             output = getattr(self.config, "workeroutput", None)
             if found and isinstance(output, dict):
                 output[RECORDS_ATTRIBUTE] = found
-            lost = self.config.stash[SESSION].lost_watchdog
+            lost = self._lost_watchdog()
             if lost and isinstance(output, dict):
                 output[LOST_KEY] = f"{lost} (worker {worker_id(self.config)})"
+
+    def _lost_watchdog(self) -> str:
+        """Why this host's watchdog is gone ("" while it serves): noticed before a test,
+        or now, if it died in the last one (as the controller looks at its own)."""
+        state = self.config.stash[SESSION]
+        process = scopes.current_state()
+        if not state.lost_watchdog and process is not None and not process.watchdog_alive():
+            state.lose_watchdog(
+                f"the watchdog (pid {process.watchdog_pid}, host {state.other_host}) died "
+                "during the session; scopes were enforced in-process from then on"
+            )
+        return state.lost_watchdog
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         self.host.link.leave()
@@ -243,9 +262,10 @@ def join(config: pytest.Config, controller: Any) -> bool:
     if not isinstance(controller, dict):
         return False
     home = hostid.HostIdentity.from_json(controller.get("identity"))
-    if home is None or home.same_host(hostid.current()):
+    here = hostid.current()
+    if home is None or home.same_host(here):
         return False
-    config.stash[SESSION].other_host = socket.gethostname()
+    config.stash[SESSION].other_host = here.hostname
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     grace = float(controller.get("grace", 2.0))
     scale = float(controller.get("scale", 1.0))

@@ -77,6 +77,12 @@ class SessionState:
             )
         return file
 
+    def lose_watchdog(self, why: str) -> None:
+        """Add ``why`` to what :attr:`lost_watchdog` says: a session may lose its own
+        watchdog and those of other hosts."""
+        if why not in self.lost_watchdog:
+            self.lost_watchdog = f"{self.lost_watchdog}; {why}" if self.lost_watchdog else why
+
     def uses_plugin(self) -> bool:
         """Whether the session uses the plugin so far: one of its options given (see
         ``used``), a test of this process with an ``expires`` marker, or a scope

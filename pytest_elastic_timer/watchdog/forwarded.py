@@ -48,6 +48,7 @@ class ForwardedRecords:
         self.host.send(conn, "forwarded")
 
     def worker(self, conn: socket.socket, peer_pid: int, fields: dict[str, Any]) -> None:
+        """Op ``worker``: the controller names a worker that came up (no answer)."""
         if peer_pid != self.controller_pid:
             raise wire.BadMessage("workers are named by the controller's pytest")
         name = wire.field(fields, "worker", str)
