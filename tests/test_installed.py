@@ -880,6 +880,60 @@ def test_a_faked_file_system_leaves_the_plugin_the_real_one(
     result.stdout.fnmatch_lines(["*test_leaves_a_process_with_the_file_system_faked left 1*"])
 
 
+# pyfakefs through a fixture of the project's own, in its conftest: the tests never ask
+# for pyfakefs's fixtures, yet their file system is faked.
+FAKED_BY_A_CONFTEST = """
+import pytest
+from pyfakefs.fake_filesystem_unittest import Patcher
+
+
+@pytest.fixture
+def faked():
+    with Patcher() as patcher:
+        yield patcher.fs
+"""
+
+INSTALLED_NOT_USED = """
+import sys
+
+
+def test_nothing_of_the_plugin_is_loaded_for_it():
+    assert "pyfakefs.fake_filesystem_unittest" in sys.modules  # its plugin is loaded
+    assert "pytest_elastic_timer.watchdog.proctree" not in sys.modules
+    assert "psutil" not in sys.modules
+"""
+
+
+def test_pyfakefs_installed_but_unused_costs_the_session_nothing(
+    pytester: pytest.Pytester,
+) -> None:
+    """Installed, pyfakefs's plugin is loaded into every session: the plugin loads its
+    first-use modules (and psutil) for it only where the tests use pyfakefs."""
+    pytest.importorskip("pyfakefs")
+    pytester.makepyfile(test_unused=INSTALLED_NOT_USED)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:asyncio")
+    result.assert_outcomes(passed=1)
+
+
+@pytest.mark.expires(120)
+def test_pyfakefs_from_a_conftest_fixture_leaves_the_plugin_the_real_one(
+    pytester: pytest.Pytester,
+) -> None:
+    """No test asks for pyfakefs's own fixtures; the conftest that names it is enough
+    for the plugin to keep the real file system (the suite of the test above)."""
+    pytest.importorskip("pyfakefs")
+    pytester.makeconftest(FAKED_BY_A_CONFTEST)
+    suite = FAKED_FILESYSTEM_SUITE.replace("(fs)", "(faked)").replace("fs.create", "faked.create")
+    pytester.makepyfile(test_faked=suite)
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-p", "no:asyncio", "--elastic-timer-leaks=kill"
+    )
+    result.assert_outcomes(passed=2, failed=2, warnings=1)
+    text = result.stdout.str() + result.stderr.str()
+    assert "INTERNALERROR" not in text and "could not be added" not in text, text
+    result.stdout.fnmatch_lines(["*scope 'test_a_hang_after_them::call/after' expired*"])
+
+
 # A suite that never uses the plugin, one of whose tests leaves processes running on
 # purpose (a server kept for later tests, say): a child, and a double-forked daemon.
 LEAVES_PROCESSES = """
