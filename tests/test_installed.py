@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 
@@ -319,9 +320,15 @@ def test_coverage_of_subprocesses_leaves_the_start_up_file_out(
         ran = pytester.run(
             sys.executable, "-m", "coverage", "run", "-m", "pytest",
             "-p", "elastic_timer", "-p", "no:cacheprovider", "-p", "no:asyncio",
-            "test_covered.py",
+            # A report to read back: pytest waits for its watchdog to end.
+            "--elastic-timer-report=report.json", "test_covered.py",
         )  # fmt: skip
         ran.assert_outcomes(passed=1)
+        # No data of the watchdog's: it is no process of the tests, and its data would
+        # come after pytest-cov combined theirs (a stray file).
+        (watchdog,) = re.findall(r"elastic-timer: watchdog pid (\d+)", ran.stdout.str())
+        data = [p.name for p in pytester.path.glob(".coverage.*")]
+        assert data and not [name for name in data if f".pid{watchdog}." in name], data
         pytester.run(sys.executable, "-m", "coverage", "combine")
         report = pytester.run(sys.executable, "-m", "coverage", "report")
     text = report.stdout.str() + report.stderr.str()

@@ -347,6 +347,9 @@ def join_host(
         os.close(lock)
 
 
+_MEASURING = ("COVERAGE_PROCESS_", "COV_CORE_")
+
+
 def _watchdog_env() -> dict[str, str]:
     """The environment of a watchdog process: this one's, without a session to join,
     with the package importable from where it lies."""
@@ -354,6 +357,10 @@ def _watchdog_env() -> dict[str, str]:
     package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ)
     env.pop(client.ENV_ADDRESS, None)
+    # Nor is it measured: coverage.py's subprocess measurement (its .pth file reads
+    # these) would write the watchdog's data after pytest-cov combined the tests'.
+    for name in [n for n in env if n.startswith(_MEASURING)]:
+        del env[name]
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH", "")) if p)
     return env
 
