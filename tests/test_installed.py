@@ -941,6 +941,41 @@ def test_pyfakefs_from_a_conftest_fixture_leaves_the_plugin_the_real_one(
     result.stdout.fnmatch_lines(["*scope 'test_a_hang_after_them::call/after' expired*"])
 
 
+UNRAISABLE = """
+import threading
+
+
+class Leaky:
+    def __del__(self):
+        raise ValueError("boom in __del__")
+
+
+def test_unraisable():
+    Leaky()
+
+
+def test_thread_exception():
+    thread = threading.Thread(target=lambda: 1 / 0)
+    thread.start()
+    thread.join()
+"""
+
+
+def test_warnings_made_errors_in_a_test_point_at_pytest_not_at_the_plugin(
+    pytester: pytest.Pytester,
+) -> None:
+    """An exception pytest turns into a failure after the test's call (unraisable, in
+    a thread) passes through the plugin's wrappers of the phases: it is shown where it
+    is without the plugin, not in the plugin's file."""
+    pytester.makeini("[pytest]\nfilterwarnings = error\n")
+    pytester.makepyfile(test_unraisable=UNRAISABLE)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:asyncio")
+    result.assert_outcomes(failed=2)
+    text = result.stdout.str()
+    assert "PytestUnraisableExceptionWarning" in text, text
+    assert "pytest_elastic_timer" not in text, text
+
+
 # A suite that never uses the plugin, one of whose tests leaves processes running on
 # purpose (a server kept for later tests, say): a child, and a double-forked daemon.
 LEAVES_PROCESSES = """

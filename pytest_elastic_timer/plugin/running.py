@@ -252,6 +252,7 @@ def begin(item: pytest.Item, *, named: bool = True) -> None:
 
 def call(item: pytest.Item) -> Generator[None, None, None]:
     """The call phase, within the test's call budget."""
+    __tracebackhide__ = True  # a failure passing through is the test's, not ours
     running = current(item)
     if running is None:
         return (yield from _call_of_unknown_test(item))
@@ -311,6 +312,7 @@ def _nothing() -> None:
 
 def _call_of_unknown_test(item: pytest.Item) -> Generator[None, None, None]:
     """The call phase of a test whose setup this plugin did not see begin."""
+    __tracebackhide__ = True  # a failure passing through is the test's, not ours
     budgets = budgets_or_fail(item)
     try:
         if budgets.call is None:
@@ -324,6 +326,7 @@ def _call_of_unknown_test(item: pytest.Item) -> Generator[None, None, None]:
 
 def teardown(item: pytest.Item) -> Generator[None, None, None]:
     """The teardown, then the end of the test (one hook for both)."""
+    __tracebackhide__ = True  # a failure passing through is the test's, not ours
     running = current(item)
     if running is None:
         return (yield)
@@ -348,6 +351,7 @@ class PhaseBudgets:
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, None, None]:
+        __tracebackhide__ = True
         budgets = budgets_or_fail(item)
         # First: the scope's record names the test; the scope names the phase.
         begin(item, named=budgets.setup is None)
@@ -364,6 +368,7 @@ class PhaseBudgets:
     # failures when it raises, and ends the test after this scope ended.
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_teardown(self, item: pytest.Item) -> Generator[None, None, None]:
+        __tracebackhide__ = True
         budgets = budgets_or_fail(item)
         if budgets.teardown is None:
             return (yield)
