@@ -294,6 +294,46 @@ def test_sitecustomize_chains_without_undoing_the_shadowed_one(
     result.assert_outcomes(passed=1)
 
 
+OLD_PYTHONS = [
+    os.path.expanduser(f"~/.pyenv/versions/{version}/bin/python")
+    for version in ("2.7.18", "3.6.15")
+]
+
+OLD_PYTHON_SUITE = """
+import os
+import subprocess
+import sys
+
+
+def test_an_old_python_chains_to_the_shadowed_sitecustomize():
+    run = subprocess.run(
+        [os.environ["OLD_PYTHON"], "-c", "print('ok')"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        universal_newlines=True,
+    )
+    assert (run.stdout, run.stderr) == ("shadowed ran\\nok\\n", "")
+"""
+
+
+@pytest.mark.parametrize("python", OLD_PYTHONS, ids=["2.7", "3.6"])
+def test_a_python_too_old_for_the_session_only_chains(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, python: str
+) -> None:
+    """A test may start any Python (a tool's test of Python 2.7, say): the session's
+    sitecustomize is parsed by it without an error, and chains to the one it shadows."""
+    if not os.path.exists(python):
+        pytest.skip(f"no {python} here")
+    shadowed = pytester.mkdir("shadowed")
+    (shadowed / "sitecustomize.py").write_text("print('shadowed ran')\n", encoding="utf-8")
+    python_path = [str(shadowed), *filter(None, [os.environ.get("PYTHONPATH")])]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(python_path))
+    monkeypatch.setenv("OLD_PYTHON", python)
+    pytester.makepyfile(test_old=OLD_PYTHON_SUITE)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:asyncio")
+    result.assert_outcomes(passed=1)
+
+
 COVERED_SUITE = """
 import subprocess
 import sys

@@ -8,10 +8,15 @@
 # measures subprocesses from a .pth file before this runs, leaves installed packages
 # out, and would otherwise count this file in the user's total, and then miss its source
 # once the session directory is gone.
+#
+# Any Python a test starts reads it, an old one too (a test of a tool that runs Python
+# 2.7, say): it is written so that every Python parses it (type comments, no f-strings),
+# and only Pythons that can run the session's processes (3.7 and later) do more than
+# chain to the sitecustomize it shadows.
 """The start-up hook of pytest-elastic-timer's sessions (see the comment above)."""
 
 
-def _pytest_elastic_timer_startup() -> None:
+def _pytest_elastic_timer_startup():  # type: () -> None
     import os
     import sys
 
@@ -20,7 +25,7 @@ def _pytest_elastic_timer_startup() -> None:
     # directory. A process that outlived its session (or left it) does nothing here.
     address = os.environ.get("PYTEST_ELASTIC_TIMER", "")
     session = os.path.dirname(address) if address else ""
-    if session and os.path.isdir(session):
+    if sys.version_info >= (3, 7) and session and os.path.isdir(session):
         _register_dump(session)
         # Record torch.distributed's ops from the moment torch.distributed is imported.
         if os.environ.get("PYTEST_ELASTIC_TIMER_COLLECTIVES", "1") != "0":
@@ -34,14 +39,16 @@ def _pytest_elastic_timer_startup() -> None:
     try:
         import sitecustomize  # type: ignore[import-not-found]  # noqa: F401
     except ImportError as exc:
-        if exc.name != "sitecustomize":
+        # (Python 2's ImportError has no name: its message ends with the module's.)
+        name = getattr(exc, "name", None) or str(exc).rsplit(" ", 1)[-1].strip("'")
+        if name != "sitecustomize":
             raise  # as site.py does: an import error inside that file is shown
     finally:
         if me is not None:
             sys.modules.setdefault("sitecustomize", me)
 
 
-def _register_dump(session: str) -> None:
+def _register_dump(session):  # type: (str) -> None
     """faulthandler on the session's dump signal, into ``dump-<pid>`` of the session
     directory: now, and in every child forked from this process."""
     import os
@@ -53,14 +60,14 @@ def _register_dump(session: str) -> None:
     import faulthandler
     import signal
 
-    def register() -> None:
+    def register():  # type: () -> None
         num = int(signum)
         done = getattr(sys, "_pytest_elastic_timer_dump", None)
         if done is not None and done[2] == os.getpid():
             return  # a nested session's registration came first: it wins
         if signal.getsignal(num) not in (signal.SIG_DFL, None):
             return  # never replace a handler someone else installed
-        path = os.path.join(session, f"dump-{os.getpid()}")
+        path = os.path.join(session, "dump-" + str(os.getpid()))
         # A bare descriptor, not a file object: no text encoding to name, and nothing
         # for the interpreter to warn about at exit.
         try:
@@ -83,7 +90,7 @@ def _register_dump(session: str) -> None:
     os.register_at_fork(after_in_child=register)
 
 
-def _watch_torch(hook: str) -> None:
+def _watch_torch(hook):  # type: (str) -> None
     """Load the torch hook by its path (the package itself is not imported)."""
     import importlib.util
     import os
