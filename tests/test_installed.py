@@ -1016,6 +1016,39 @@ def test_warnings_made_errors_in_a_test_point_at_pytest_not_at_the_plugin(
     assert "pytest_elastic_timer" not in text, text
 
 
+WAITS_FOR_ALL_CHILDREN = """
+import os
+import subprocess
+
+import psutil
+
+
+def test_reaps_every_child():
+    child = subprocess.Popen(["sleep", "0.2"])
+    reaped = []
+    while True:
+        try:
+            reaped.append(os.waitpid(-1, 0)[0])
+        except ChildProcessError:
+            break
+    child.returncode = 0  # reaped above
+    assert reaped == [child.pid]
+    assert psutil.Process().children() == []
+"""
+
+
+def test_a_test_that_waits_for_all_its_processes_children_is_not_kept_waiting(
+    pytester: pytest.Pytester,
+) -> None:
+    """The watchdog is no child of pytest: a test that waits for every child of its
+    process (os.wait() until there is none) does not wait for it, all session long."""
+    pytester.makepyfile(test_reaps=WAITS_FOR_ALL_CHILDREN)
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-p", "no:asyncio", "-W", "ignore::ResourceWarning", timeout=60
+    )
+    result.assert_outcomes(passed=1)
+
+
 # A suite that never uses the plugin, one of whose tests leaves processes running on
 # purpose (a server kept for later tests, say): a child, and a double-forked daemon.
 LEAVES_PROCESSES = """

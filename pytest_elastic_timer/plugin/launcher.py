@@ -33,6 +33,8 @@ _pidfd_open = unpatched.pidfd_open
 
 SOCKET_NAME = "watchdog.sock"  # in the session directory, as the watchdog names it
 LISTEN_BACKLOG = 128
+# As Popen's restore_signals: Python ignores these, a new program should not.
+_DEFAULT_SIGNALS = [getattr(signal, n) for n in ("SIGPIPE", "SIGXFSZ") if hasattr(signal, n)]
 
 
 class WatchdogError(RuntimeError):
@@ -80,13 +82,25 @@ class WatchdogHandle:
     """
 
     def __init__(
-        self, pid: int, address: str, directory: str, control: int, pidfd: int = -1
+        self,
+        pid: int,
+        address: str,
+        directory: str,
+        control: int,
+        pidfd: int = -1,
+        *,
+        detached: bool = False,
     ) -> None:
         self.pid = pid
         self.address = address
         self.directory = directory
         self.control = control  # the write end of the watchdog's stdin (-1 once closed)
         self.pidfd = pidfd  # a pidfd of the watchdog, -1 where the kernel has none
+        # Not this process's child (see _spawn_detached): watched through its pidfd,
+        # and never reaped here.
+        self.detached = detached
+        # Its exit status once it ended; for a detached one, whose status is its new
+        # parent's to read, 0 if it ended by itself (it removes its directory), else -1.
         self.returncode: int | None = None
 
     @property
@@ -116,8 +130,7 @@ class WatchdogHandle:
             _unreaped.append(self)
             return None
         if self.returncode is None and not self._wait(STOP_TIMEOUT):
-            with contextlib.suppress(ProcessLookupError):
-                _kill(self.pid, signal.SIGKILL)
+            self._kill()
         self._reap(block=True)
         return self.returncode
 
@@ -128,9 +141,17 @@ class WatchdogHandle:
             os.close(self.control)
             self.control = -1
         if self.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                _kill(self.pid, signal.SIGKILL)
+            self._kill()
         self._reap(block=True)
+
+    def _kill(self) -> None:
+        """SIGKILL, through the pidfd where there is one: a detached watchdog's pid may
+        be another process's by now."""
+        with contextlib.suppress(ProcessLookupError, OSError):
+            if self.pidfd >= 0 and hasattr(signal, "pidfd_send_signal"):
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            else:
+                _kill(self.pid, signal.SIGKILL)
 
     def _wait(self, timeout: float) -> bool:
         """Whether the watchdog ended within ``timeout`` seconds, waited for in one
@@ -144,6 +165,14 @@ class WatchdogHandle:
         """Collect the watchdog's exit status if it has ended (waiting for it with
         ``block``); whether it has. Once ended, its directory goes too: a watchdog
         removes it itself, unless it never ran or was killed."""
+        if self.returncode is None and self.detached:
+            if not _select([self.pidfd], [], [], None if block else 0)[0]:
+                return False
+            self.returncode = -1 if os.path.exists(self.directory) else 0
+            # Adopted after all where this process is a subreaper (the leak check of a
+            # session that runs this one in-process): then it is ours to reap.
+            with contextlib.suppress(ChildProcessError):
+                _waitpid(self.pid, os.WNOHANG)
         if self.returncode is None:
             flags = 0 if block else os.WNOHANG
             try:
@@ -237,10 +266,6 @@ def start(
                 *_watchdog_argv(directory, grace, kill_after, scale),
                 "--session",
                 unpatched.dumps(session),
-                "--listen-fd",
-                str(listener.fileno()),
-                "--fifo-fd",
-                str(fifo_fd),
             ]
             if report:
                 argv += ["--report", os.path.abspath(report)]
@@ -250,18 +275,89 @@ def start(
                 argv += ["--junit-xml", os.path.abspath(junit_xml)]
             if trace:
                 argv.append("--trace")
-            pid, control = _spawn(argv, env, [listener.fileno(), fifo_fd])
+            detached = _spawn_detached(argv, env, listener.fileno(), fifo_fd)
+            if detached is None:  # no pidfds or no shell here: a child of this process
+                argv += ["--listen-fd", str(listener.fileno()), "--fifo-fd", str(fifo_fd)]
+                pid, control = _spawn(argv, env, [listener.fileno(), fifo_fd])
+                pidfd = -1
+                if _pidfd_open is not None:
+                    with contextlib.suppress(OSError):
+                        pidfd = _pidfd_open(pid)
+                handle = WatchdogHandle(pid, address, directory, control, pidfd)
+            else:
+                pid, control, pidfd = detached
+                handle = WatchdogHandle(pid, address, directory, control, pidfd, detached=True)
     except BaseException:
         shutil.rmtree(directory, ignore_errors=True)
         raise
     finally:
         if fifo_fd >= 0:
             os.close(fifo_fd)  # the watchdog's now
-    pidfd = -1
-    if _pidfd_open is not None:
-        with contextlib.suppress(OSError):
-            pidfd = _pidfd_open(pid)
-    return WatchdogHandle(pid, address, directory, control, pidfd)
+    return handle
+
+
+# How the watchdog is started apart from pytest: a shell runs it in the background and
+# ends, so the watchdog is nobody's child here (init, or a subreaper above, adopts it).
+# A suite that waits for all its children (os.wait() until ChildProcessError) would
+# otherwise wait for the watchdog, all session long. The shell gets the listening socket
+# on 3, the FIFO's read end on 4 and the watchdog's stdin on 5 (a background command's
+# stdin is /dev/null otherwise), and says the watchdog's pid on its stdout.
+_SHELL = "/bin/sh"
+_DETACH = '"$@" --listen-fd 3 --fifo-fd 4 <&5 5<&- >/dev/null & echo $!'
+SPAWN_TIMEOUT = 10.0  # seconds the shell may take to say the watchdog's pid
+
+
+def _spawn_detached(
+    argv: list[str], env: dict[str, str], listener: int, fifo: int
+) -> tuple[int, int, int] | None:
+    """Start ``argv`` as an orphan (see :data:`_DETACH`) with the listening socket and
+    the FIFO; its pid, the write end of its stdin, and a pidfd of it (how this process
+    watches a process that is not its child). None where that cannot be done here."""
+    if _pidfd_open is None or _posix_spawn is None or not os.access(_SHELL, os.X_OK):
+        return None
+    read_end, write_end = os.pipe()
+    said, saying = os.pipe()
+    # Above 3, 4 and 5, so that putting each in its place overwrites none of the others.
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10) for fd in (listener, fifo, read_end)]
+    try:
+        actions: list[tuple[Any, ...]] = [
+            (os.POSIX_SPAWN_CLOSE, fd) for fd in _inheritable_fds({0, 1, 2})
+        ]
+        actions += [
+            (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+            (os.POSIX_SPAWN_DUP2, saying, 1),
+            *((os.POSIX_SPAWN_DUP2, fd, to) for fd, to in zip(high, (3, 4, 5), strict=True)),
+        ]
+        shell = _posix_spawn(
+            _SHELL,
+            [_SHELL, "-c", _DETACH, "sh", *argv],
+            env,
+            file_actions=actions,
+            setsigdef=_DEFAULT_SIGNALS,
+        )
+    except OSError:
+        os.close(write_end)
+        return None
+    finally:
+        for fd in (*high, read_end, saying):
+            os.close(fd)
+    try:
+        ready = _select([said], [], [], SPAWN_TIMEOUT)[0]
+        text = os.read(said, 64).decode(errors="replace").strip() if ready else ""
+    finally:
+        os.close(said)
+        with contextlib.suppress(ChildProcessError):
+            _waitpid(shell, 0)  # it said the pid: it ends now
+    if not text.isdigit():
+        os.close(write_end)
+        raise WatchdogError(f"the watchdog did not start (its shell said {text!r})")
+    pid = int(text)
+    try:
+        pidfd = _pidfd_open(pid)
+    except OSError as exc:  # it ended already
+        os.close(write_end)
+        raise WatchdogError(f"the watchdog ended as it started ({exc})") from None
+    return pid, write_end, pidfd
 
 
 def _spawn(argv: list[str], env: dict[str, str], passed: list[int]) -> tuple[int, int]:
@@ -278,11 +374,7 @@ def _spawn(argv: list[str], env: dict[str, str], passed: list[int]) -> tuple[int
             (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
         ]
         actions += [(os.POSIX_SPAWN_CLOSE, fd) for fd in _inheritable_fds({0, 1, 2, *passed})]
-        # As Popen's restore_signals: Python ignores these, a new program should not.
-        defaults = [
-            getattr(signal, name) for name in ("SIGPIPE", "SIGXFSZ") if hasattr(signal, name)
-        ]
-        pid = _posix_spawn(argv[0], argv, env, file_actions=actions, setsigdef=defaults)
+        pid = _posix_spawn(argv[0], argv, env, file_actions=actions, setsigdef=_DEFAULT_SIGNALS)
     except BaseException:
         os.close(write_end)
         raise
