@@ -1616,6 +1616,31 @@ def test_a_session_with_nothing_to_read_back_does_not_wait_for_its_watchdog() ->
     assert not os.path.exists(handle.directory)
 
 
+def test_without_pidfds_the_watchdog_is_a_child_reaped_at_its_stop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where pidfds are missing (an old kernel, valgrind), the watchdog is not started
+    as an orphan, which nothing here could watch: it is this process's child, reaped."""
+    monkeypatch.setattr(launcher, "_PIDFDS", False)
+    handle = launcher.start(grace=1.0, scale=1.0, report=None, session={})
+    assert not handle.detached
+    assert handle.pid in {c.pid for c in psutil.Process().children()}
+    assert handle.stop({}, wait=True) == 0
+    assert handle.pid not in {c.pid for c in psutil.Process().children()}
+    assert not os.path.exists(handle.directory)
+
+
+def test_the_watchdog_is_no_child_of_pytest() -> None:
+    handle = launcher.start(grace=1.0, scale=1.0, report=None, session={})
+    try:
+        assert handle.detached
+        assert handle.pid not in {c.pid for c in psutil.Process().children()}
+        assert psutil.Process(handle.pid).is_running()
+    finally:
+        assert handle.stop({}, wait=True) == 0
+    assert not os.path.exists(handle.directory)
+
+
 def test_a_session_with_a_report_waits_for_its_watchdog(tmp_path: Path) -> None:
     """With a JSON report to read back, stopping waits until the watchdog wrote it."""
     report = tmp_path / "report.json"

@@ -313,8 +313,10 @@ def _spawn_detached(
     """Start ``argv`` as an orphan (see :data:`_DETACH`) with the listening socket and
     the FIFO; its pid, the write end of its stdin, and a pidfd of it (how this process
     watches a process that is not its child). None where that cannot be done here."""
-    if _pidfd_open is None or _posix_spawn is None or not os.access(_SHELL, os.X_OK):
+    pidfd_open = _pidfd_open
+    if pidfd_open is None or not _pidfds_work() or not os.access(_SHELL, os.X_OK):
         return None
+    assert _posix_spawn is not None  # start() checked
     read_end, write_end = os.pipe()
     said, saying = os.pipe()
     # Above 3, 4 and 5, so that putting each in its place overwrites none of the others.
@@ -353,11 +355,29 @@ def _spawn_detached(
         raise WatchdogError(f"the watchdog did not start (its shell said {text!r})")
     pid = int(text)
     try:
-        pidfd = _pidfd_open(pid)
+        pidfd = pidfd_open(pid)
     except OSError as exc:  # it ended already
         os.close(write_end)
         raise WatchdogError(f"the watchdog ended as it started ({exc})") from None
     return pid, write_end, pidfd
+
+
+def _pidfds_work() -> bool:
+    """Whether this kernel (and whatever runs this process: valgrind has none) gives
+    pidfds; asked once."""
+    global _PIDFDS
+    if _PIDFDS is None:
+        _PIDFDS = False
+        if _pidfd_open is not None:
+            try:
+                os.close(_pidfd_open(os.getpid()))
+                _PIDFDS = True
+            except OSError:
+                pass
+    return _PIDFDS
+
+
+_PIDFDS: bool | None = None
 
 
 def _spawn(argv: list[str], env: dict[str, str], passed: list[int]) -> tuple[int, int]:
