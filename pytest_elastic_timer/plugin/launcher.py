@@ -89,19 +89,52 @@ class WatchdogHandle:
         control: int,
         pidfd: int = -1,
         *,
-        detached: bool = False,
+        shell: tuple[int, int] | None = None,
     ) -> None:
-        self.pid = pid
+        self._pid = pid
         self.address = address
         self.directory = directory
         self.control = control  # the write end of the watchdog's stdin (-1 once closed)
-        self.pidfd = pidfd  # a pidfd of the watchdog, -1 where the kernel has none
+        self._pidfd = pidfd  # a pidfd of the watchdog, -1 where the kernel has none
         # Not this process's child (see _spawn_detached): watched through its pidfd,
-        # and never reaped here.
-        self.detached = detached
+        # and never reaped here. Its pid is read from what its shell says (its pid and
+        # the read end of its stdout) when first asked for: by then the shell has said
+        # it, and nothing waited for it.
+        self.detached = shell is not None
+        self._shell = shell
         # Its exit status once it ended; for a detached one, whose status is its new
         # parent's to read, 0 if it ended by itself (it removes its directory), else -1.
         self.returncode: int | None = None
+
+    @property
+    def pid(self) -> int:
+        self._hear_shell()
+        return self._pid
+
+    @property
+    def pidfd(self) -> int:
+        self._hear_shell()
+        return self._pidfd
+
+    def _hear_shell(self) -> None:
+        """A detached watchdog's pid and pidfd, from its shell (once). One whose shell
+        said no pid, or that ended already, counts as ended."""
+        if self._shell is None:
+            return
+        (shell, said), self._shell = self._shell, None
+        try:
+            ready = _select([said], [], [], SPAWN_TIMEOUT)[0]
+            text = os.read(said, 64).decode(errors="replace").strip() if ready else ""
+        finally:
+            os.close(said)
+            with contextlib.suppress(ChildProcessError):
+                _waitpid(shell, 0)  # it said the pid: it ends now
+        assert _pidfd_open is not None  # a detached watchdog is watched through it
+        try:
+            self._pid = int(text)
+            self._pidfd = _pidfd_open(self._pid)
+        except (ValueError, OSError):
+            self.returncode = -1
 
     @property
     def records_path(self) -> str:
@@ -165,7 +198,7 @@ class WatchdogHandle:
         """Collect the watchdog's exit status if it has ended (waiting for it with
         ``block``); whether it has. Once ended, its directory goes too: a watchdog
         removes it itself, unless it never ran or was killed."""
-        if self.returncode is None and self.detached:
+        if self.returncode is None and self.detached and self.pidfd >= 0:
             if not _select([self.pidfd], [], [], None if block else 0)[0]:
                 return False
             self.returncode = -1 if os.path.exists(self.directory) else 0
@@ -191,7 +224,7 @@ class WatchdogHandle:
                 self.returncode = -1  # reaped by someone else (a test's os.wait())
         if self.pidfd >= 0:
             os.close(self.pidfd)
-            self.pidfd = -1
+            self._pidfd = -1
         shutil.rmtree(self.directory, ignore_errors=True)
         return True
 
@@ -285,8 +318,8 @@ def start(
                         pidfd = _pidfd_open(pid)
                 handle = WatchdogHandle(pid, address, directory, control, pidfd)
             else:
-                pid, control, pidfd = detached
-                handle = WatchdogHandle(pid, address, directory, control, pidfd, detached=True)
+                shell, said, control = detached
+                handle = WatchdogHandle(0, address, directory, control, shell=(shell, said))
     except BaseException:
         shutil.rmtree(directory, ignore_errors=True)
         raise
@@ -311,10 +344,10 @@ def _spawn_detached(
     argv: list[str], env: dict[str, str], listener: int, fifo: int
 ) -> tuple[int, int, int] | None:
     """Start ``argv`` as an orphan (see :data:`_DETACH`) with the listening socket and
-    the FIFO; its pid, the write end of its stdin, and a pidfd of it (how this process
-    watches a process that is not its child). None where that cannot be done here."""
-    pidfd_open = _pidfd_open
-    if pidfd_open is None or not _pidfds_work() or not os.access(_SHELL, os.X_OK):
+    the FIFO, without waiting: the shell's pid, the read end of its stdout (where it
+    says the watchdog's pid), and the write end of the watchdog's stdin. None where
+    that cannot be done here (the watchdog is watched through a pidfd)."""
+    if not _pidfds_work() or not os.access(_SHELL, os.X_OK):
         return None
     assert _posix_spawn is not None  # start() checked
     read_end, write_end = os.pipe()
@@ -339,27 +372,12 @@ def _spawn_detached(
         )
     except OSError:
         os.close(write_end)
+        os.close(said)
         return None
     finally:
         for fd in (*high, read_end, saying):
             os.close(fd)
-    try:
-        ready = _select([said], [], [], SPAWN_TIMEOUT)[0]
-        text = os.read(said, 64).decode(errors="replace").strip() if ready else ""
-    finally:
-        os.close(said)
-        with contextlib.suppress(ChildProcessError):
-            _waitpid(shell, 0)  # it said the pid: it ends now
-    if not text.isdigit():
-        os.close(write_end)
-        raise WatchdogError(f"the watchdog did not start (its shell said {text!r})")
-    pid = int(text)
-    try:
-        pidfd = pidfd_open(pid)
-    except OSError as exc:  # it ended already
-        os.close(write_end)
-        raise WatchdogError(f"the watchdog ended as it started ({exc})") from None
-    return pid, write_end, pidfd
+    return shell, said, write_end
 
 
 def _pidfds_work() -> bool:
