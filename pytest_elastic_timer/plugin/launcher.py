@@ -388,7 +388,7 @@ def _pidfds_work() -> bool:
         _PIDFDS = False
         if _pidfd_open is not None:
             try:
-                os.close(_pidfd_open(os.getpid()))
+                os.close(_pidfd_open(unpatched.getpid()))
                 _PIDFDS = True
             except OSError:
                 pass
