@@ -438,8 +438,15 @@ def world_of(seeds: Iterable[Ring], others: Iterable[Ring]) -> list[Ring]:
     rank winning (a rank started again, or a pid reused, leaves older rings behind)."""
     seeds = [r for r in seeds if r.rank >= 0]
     keys = {(r.world_id, r.nodeid) for r in seeds if r.world_id}
+    return newest_per_rank(
+        [*seeds, *(r for r in others if (r.world_id, r.nodeid) in keys and r.rank >= 0)]
+    )
+
+
+def newest_per_rank(rings: Iterable[Ring]) -> list[Ring]:
+    """One ring per rank, the newest (of equals, the first), ordered by rank."""
     chosen: dict[int, Ring] = {}
-    for ring in [*seeds, *(r for r in others if (r.world_id, r.nodeid) in keys and r.rank >= 0)]:
+    for ring in rings:
         known = chosen.get(ring.rank)
         if known is None or ring.created > known.created:
             chosen[ring.rank] = ring
@@ -812,14 +819,7 @@ def rings_of_test(directory: str, nodeid: str) -> list[Ring]:
     """The rings of the processes a test started (their ``PYTEST_CURRENT_TEST``), one
     per rank of the newest world, ordered by rank."""
     headers = read_rings(ring_paths(directory), header_only=True)
-    chosen: dict[int, Ring] = {}
-    for ring in headers:
-        if ring.nodeid != nodeid or ring.rank < 0:
-            continue
-        known = chosen.get(ring.rank)
-        if known is None or ring.created > known.created:
-            chosen[ring.rank] = ring
-    return _whole(chosen[rank] for rank in sorted(chosen))
+    return _whole(newest_per_rank(r for r in headers if r.nodeid == nodeid and r.rank >= 0))
 
 
 def died(ring: Ring) -> bool:
