@@ -302,7 +302,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         process.flush_trace()
     if state.watchdog is not None:
         end: dict[str, Any] = {"exitstatus": state.exitstatus}
-        if state.lost_watchdog:  # another host's (the report is this one's, alive)
+        if state.lost_watchdog:  # this host's, or another host's, whose report this is
             end["watchdog_lost"] = state.lost_watchdog
         facts = lifecycle.facts_for_hooks(config, state)
         _register_slow_if_used(config, facts)

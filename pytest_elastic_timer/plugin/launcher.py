@@ -180,8 +180,8 @@ class WatchdogHandle:
     def _kill(self) -> None:
         """SIGKILL, through the pidfd where there is one: a detached watchdog's pid may
         be another process's by now."""
-        with contextlib.suppress(ProcessLookupError, OSError):
-            if self.pidfd >= 0 and hasattr(signal, "pidfd_send_signal"):
+        with contextlib.suppress(OSError):  # ProcessLookupError too: it ended
+            if self.pidfd >= 0:
                 signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
             else:
                 _kill(self.pid, signal.SIGKILL)

@@ -201,14 +201,12 @@ def watchdog_lost(item: pytest.Item) -> None:
     state = item.config.stash[SESSION]
     process = scopes.process_state()
     pid = state.watchdog.pid if state.watchdog else process.watchdog_pid
-    # On another host, the watchdog is that host's, and so is its pid.
-    whose = f"pid {pid}, host {state.other_host}" if state.other_host else f"pid {pid}"
     if process.refused:
         what = f"the session's watchdog refused this process ({process.refused})"
     elif process.welcomed:
-        what = f"the watchdog ({whose}) died"
+        what = f"{state.watchdog_named(pid)} died"
     else:  # no answer to the hello ever came: it ended before it served anyone
-        what = f"the watchdog ({whose}) did not start, or ended,"
+        what = f"{state.watchdog_named(pid)} did not start, or ended,"
     why = (
         f"{what} before {item.nodeid}; scopes are enforced in-process from then on "
         "(no stack dumps, no termination of hung processes)"
@@ -224,12 +222,9 @@ def check_watchdog(session: pytest.Session, state: SessionState) -> None:
     """At the session's end: a watchdog that died after the last per-test look (in the
     last test, say) is still reported, and fails the session."""
     watchdog = state.watchdog
-    told = watchdog is not None and f"(pid {watchdog.pid})" in state.lost_watchdog
+    told = watchdog is not None and state.watchdog_named(watchdog.pid) in state.lost_watchdog
     if watchdog is not None and not told and not watchdog.alive():
-        state.lose_watchdog(
-            f"the watchdog (pid {watchdog.pid}) died during the session; scopes "
-            "were enforced in-process from then on"
-        )
+        state.watchdog_died(watchdog.pid)
     if state.lost_watchdog and state.exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED  # the guarantees did not hold
         state.exitstatus = int(session.exitstatus)  # as the report and the hooks say it

@@ -227,10 +227,7 @@ class RemoteWorker:
         state = self.config.stash[SESSION]
         process = scopes.current_state()
         if not state.lost_watchdog and process is not None and not process.watchdog_alive():
-            state.lose_watchdog(
-                f"the watchdog (pid {process.watchdog_pid}, host {state.other_host}) died "
-                "during the session; scopes were enforced in-process from then on"
-            )
+            state.watchdog_died(process.watchdog_pid)
         return state.lost_watchdog
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
@@ -266,7 +263,7 @@ def join(config: pytest.Config, controller: Any) -> bool:
     if home is None or home.same_host(here):
         return False
     config.stash[SESSION].other_host = here.hostname
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    worker = worker_id(config)
     grace = float(controller.get("grace", 2.0))
     scale = float(controller.get("scale", 1.0))
     dump_signal = int(controller.get("dump_signal", 0))

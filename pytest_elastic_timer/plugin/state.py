@@ -83,6 +83,18 @@ class SessionState:
         if why not in self.lost_watchdog:
             self.lost_watchdog = f"{self.lost_watchdog}; {why}" if self.lost_watchdog else why
 
+    def watchdog_named(self, pid: int) -> str:
+        """``the watchdog (pid N)``, with the host on another host, whose pid it is."""
+        host = f", host {self.other_host}" if self.other_host else ""
+        return f"the watchdog (pid {pid}{host})"
+
+    def watchdog_died(self, pid: int) -> None:
+        """The watchdog ``pid`` was found gone at the session's end."""
+        self.lose_watchdog(
+            f"{self.watchdog_named(pid)} died during the session; scopes were enforced "
+            "in-process from then on"
+        )
+
     def uses_plugin(self) -> bool:
         """Whether the session uses the plugin so far: one of its options given (see
         ``used``), a test of this process with an ``expires`` marker, or a scope
