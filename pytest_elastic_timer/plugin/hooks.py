@@ -167,8 +167,7 @@ def pytest_collection(session: pytest.Session) -> Generator[None, None, None]:
     scopes.process_state().set_phase("collection")
     collected = yield
     # Test modules are imported by now, and with them any library they use.
-    wanted = {name for item in session.items for name in getattr(item, "fixturenames", ())}
-    real_filesystem.keep_if_faked(wanted, str(session.config.rootpath))
+    real_filesystem.keep_if_faked(session.items, str(session.config.rootpath))
     return collected
 
 

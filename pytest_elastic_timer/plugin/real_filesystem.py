@@ -47,16 +47,17 @@ KEPT_REAL = ("pytest_elastic_timer", "psutil")
 FIXTURES = frozenset({"fs", "fs_class", "fs_module", "fs_session"})  # pyfakefs's
 
 
-def keep_if_faked(fixture_names: Iterable[str], rootdir: str) -> None:
-    """If the tests use pyfakefs (``fixture_names``: those the collected tests ask
-    for; ``rootdir``: the project's), load what this plugin uses during tests now, and
-    keep pyfakefs from faking the file system for it (see the module's docstring)."""
+def keep_if_faked(items: Iterable[object], rootdir: str) -> None:
+    """If the tests use pyfakefs (``items``: the collected tests; ``rootdir``: the
+    project's), load what this plugin uses during tests now, and keep pyfakefs from
+    faking the file system for it (see the module's docstring)."""
     patcher_module = sys.modules.get(PATCHER_MODULE)
     patcher = getattr(patcher_module, "Patcher", None)
     skipped = getattr(patcher, "SKIPMODULES", None)
     if not isinstance(skipped, set):
         return
-    if FIXTURES.isdisjoint(fixture_names) and not _named_in_project(rootdir):
+    asked = any(not FIXTURES.isdisjoint(getattr(item, "fixturenames", ())) for item in items)
+    if not asked and not _named_in_project(rootdir):
         return
     for name in LOADED_ON_FIRST_USE:
         importlib.import_module(name)
