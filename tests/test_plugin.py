@@ -1092,6 +1092,50 @@ def test_a_passing_session_loads_no_failure_machinery(pytester: pytest.Pytester)
     assert "pytest_elastic_timer.core.hostlink" not in loaded.split()
 
 
+RAISED_BEFORE_LOADING = """
+import sys
+import time
+
+import pytest
+import pytest_elastic_timer as et
+
+MACHINERY = "pytest_elastic_timer.plugin.expiry"
+
+@pytest.fixture
+def stuck():
+    with et.expires(0.3, scope="fixture"):
+        time.sleep(30)
+
+def test_call():
+    try:
+        with et.expires(0.3, scope="hang"):
+            time.sleep(30)
+    except et.ScopeExpired:
+        print("LOADED AT THE RAISE:", MACHINERY in sys.modules)
+        raise
+
+def test_setup(stuck):
+    pass
+"""
+
+
+def test_an_expiry_is_raised_before_the_report_machinery_loads(pytester: pytest.Pytester) -> None:
+    # ScopeExpired is raised from the interrupt's signal handler, and loading the
+    # modules that make failed reports there held it back by milliseconds at a
+    # process's first expiry: the call phase's wrapper loads them once the phase has
+    # failed. A setup that no wrapper of the plugin runs (no setup budget) still gets
+    # them from the handler, before its report.
+    pytester.makepyfile(test_hang=RAISED_BEFORE_LOADING)
+    session = run(pytester)
+    session.assert_clean()
+    session.result.assert_outcomes(failed=1, errors=1)
+    assert "LOADED AT THE RAISE: False" in session.lines
+    for name in ("test_call", "test_setup"):
+        assert re.search(rf"^TIMEOUT test_hang.py::{name}\b", session.stdout, re.M), name
+    assert session.record("test_call::call/hang")["action"] == "interrupted"
+    assert session.record("test_setup::setup/fixture")["action"] == "interrupted"
+
+
 FIRST_LOAD_FAILS_CONFTEST = """
 import sys
 
@@ -1144,9 +1188,9 @@ MACHINERY_FAILS_IN = {
 def test_an_expiry_whose_report_machinery_fails_to_load_is_still_an_expiry(
     pytester: pytest.Pytester, phase: str
 ) -> None:
-    # The plugin starts looking at reports from inside the interrupt: that failing must
-    # not replace the ScopeExpired nor keep the watchdog from hearing of it, and the
-    # phase's wrapper loads the report machinery before pytest makes the report.
+    # The phase's wrapper loads the report machinery once the phase has failed: that
+    # failing must not replace the ScopeExpired nor keep the watchdog from hearing of
+    # it, and a second try loads it before pytest makes the report.
     pytester.makeconftest(FIRST_LOAD_FAILS_CONFTEST)
     source = "import time\nimport pytest\nimport pytest_elastic_timer as et\n"
     pytester.makepyfile(test_hang=source + textwrap.dedent(MACHINERY_FAILS_IN[phase]))

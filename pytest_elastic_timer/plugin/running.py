@@ -9,7 +9,6 @@ which also ends the test. The wrappers that give setup and teardown budgets of t
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import warnings
@@ -46,12 +45,16 @@ def watch_failures(config: pytest.Config) -> None:
 def watch_failures_of(config: pytest.Config, exc: BaseException) -> None:
     """:func:`watch_failures` for a phase that ends in ``exc``, before pytest makes its
     report. A skip is no failure. The phase's own exception is what its report must
-    show, so loading that fails here (an import cut short by a signal, say) is left
-    for the next failure to try again."""
+    show, so loading that fails here (an import cut short by a signal, say) is tried
+    once more, then left for the next failure to try again."""
     if isinstance(exc, pytest.skip.Exception):
         return
-    with contextlib.suppress(Exception):
-        watch_failures(config)
+    for _ in range(2):
+        try:
+            watch_failures(config)
+            return
+        except Exception:
+            continue
 
 
 class RunningTest:
@@ -78,6 +81,9 @@ class RunningTest:
         # A scope of this process expired during the test: its run was cut short by
         # the plugin, so the processes it leaves are ended even under "warn".
         self.interrupted = False
+        # A phase wrapper of this plugin runs the phase now: if the phase fails, it
+        # loads the failed-report plugins before pytest makes the report.
+        self.guarded = False
 
     def switch(self, when: str, *, named: bool = True) -> None:
         """The phase ``when`` begins (once): the phase before it is traced, the table
@@ -181,10 +187,14 @@ class RunningTest:
 _running: list[RunningTest] = []
 
 
-def note_expiry() -> None:
-    """A scope of this process expired: the innermost running test was interrupted."""
-    if _running:
-        _running[-1].interrupted = True
+def note_expiry() -> bool:
+    """A scope of this process expired: the innermost running test was interrupted.
+    Whether a phase wrapper of this plugin runs its phase, and so loads the
+    failed-report plugins if the phase fails (:func:`watch_failures_of`)."""
+    if not _running:
+        return False
+    _running[-1].interrupted = True
+    return _running[-1].guarded
 
 
 def interrupted_here(item: pytest.Item) -> bool:
@@ -261,6 +271,7 @@ def call(item: pytest.Item) -> Generator[None, None, None]:
         running.state.watch_for_leaks()
         running.children = leaks.snapshot()
     running.switch("call", named=budgets.call is None)
+    running.guarded = True
     try:
         if budgets.call is None:
             return (yield)
@@ -280,6 +291,8 @@ def call(item: pytest.Item) -> Generator[None, None, None]:
     except BaseException as exc:
         watch_failures_of(item.config, exc)
         raise
+    finally:
+        running.guarded = False
 
 
 def run_coroutine_in_task_of(item: pytest.Item, scope: TimerRequest) -> Callable[[], None]:
@@ -331,12 +344,14 @@ def teardown(item: pytest.Item) -> Generator[None, None, None]:
     if running is None:
         return (yield)
     running.switch("teardown")
+    running.guarded = True
     try:
         return (yield)
     except BaseException as exc:
         watch_failures_of(item.config, exc)
         raise
     finally:
+        running.guarded = False
         # Leftover processes are found here, inside the teardown: a warning made an
         # error (-W error) fails the test's teardown.
         if _running and _running[-1] is running:
@@ -357,12 +372,18 @@ class PhaseBudgets:
         begin(item, named=budgets.setup is None)
         if budgets.setup is None:
             return (yield)
+        running = current(item)
+        if running is not None:
+            running.guarded = True
         try:
             with phase_scope(item, "setup", budgets):
                 return (yield)
         except BaseException as exc:
             watch_failures_of(item.config, exc)
             raise
+        finally:
+            if running is not None:
+                running.guarded = False
 
     # Inside the plugin's own teardown wrapper (tryfirst), which began the phase, watches
     # failures when it raises, and ends the test after this scope ended.
