@@ -193,4 +193,3 @@ def with_source_lines(text: str) -> str:
             out[-1] = line if line.endswith("\n") else line + "\n"
             out.append(f"{source_indent}{source}\n")
     return "".join(out)
-

@@ -119,11 +119,11 @@ def _fetch_on_host(channel: object, token: str, worker: str, patience: float) ->
 
 def fetch_from_host(spec: Any, token: str, worker: str, patience: float) -> list[dict[str, Any]]:
     """The records of ``worker`` from the watchdog of the host ``spec`` reaches, through
-    a gateway of its own ([] where that is not possible)."""
+    a gateway of its own ([] where that is not possible; a socket server must accept
+    again first: :func:`wait_for_socket_server`)."""
     import execnet
 
     text = "//".join(p for p in str(spec).split("//") if p and not p.startswith("id="))
-    _wait_for_socket_server(spec, unpatched.monotonic() + patience)
     group = execnet.Group()
     try:
         gateway = group.makegateway(text)
@@ -137,7 +137,7 @@ def fetch_from_host(spec: Any, token: str, worker: str, patience: float) -> list
     return [r for r in found if isinstance(r, dict)] if isinstance(found, list) else []
 
 
-def _wait_for_socket_server(spec: Any, give_up: float) -> None:
+def wait_for_socket_server(spec: Any, give_up: float) -> None:
     """For a ``socket=`` spec, wait until its port accepts (until ``give_up`` at most).
     execnet's socket server runs a worker in its own process: the worker that was ended
     took the server with it, and the loop the guide runs it in starts it again."""
