@@ -12,7 +12,7 @@ import traceback
 import pytest
 from helpers import failure_block, run, section
 
-from pytest_elastic_timer.core.stacks import trim_stack, with_source_lines
+from pytest_elastic_timer.core.stacks import trim_stack
 
 RUNNER_FRAME = re.compile(r'File ".*/(_pytest|pluggy|xdist)/[^"]*", line \d+')
 HIDDEN = re.compile(
@@ -72,44 +72,6 @@ def test_a_traceback_keeps_its_frames_from_the_test_on() -> None:
     assert re.match(r'  File ".*test_output\.py", line \d+, in test_a_traceback_keeps', lines[1])
     assert lines[2].strip() == 'text = "".join(traceback.format_stack())'
     assert len(lines) == 3, lines
-
-
-OWNER_STACK = """
-import time
-import pytest_elastic_timer as et
-
-def test_hang():
-    with et.expires(0.3, scope="hang"):
-        wait()
-
-def wait():
-    time.sleep(30)
-"""
-
-
-def test_the_owners_stack_in_a_record_has_its_source_lines(pytester: pytest.Pytester) -> None:
-    # The owner sends its frames without their source, which the watchdog adds.
-    pytester.makepyfile(test_hang=OWNER_STACK)
-    session = run(pytester)
-    session.assert_clean()
-    session.result.assert_outcomes(failed=1)
-    lines = session.record("test_hang::call/hang")["stack"].splitlines()
-    test_frame = next(n for n, line in enumerate(lines) if line.endswith(", in test_hang"))
-    assert re.match(r'  File ".*test_hang\.py", line 6, in test_hang$', lines[test_frame])
-    assert lines[test_frame + 1 : test_frame + 4] == [
-        "    wait()",
-        f'  File "{pytester.path / "test_hang.py"}", line 9, in wait',
-        "    time.sleep(30)",
-    ], lines
-
-
-def test_source_lines_are_added_where_a_frame_has_none() -> None:
-    text = "".join(traceback.format_stack())
-    frames = "".join(line for line in text.splitlines(keepends=True) if "File " in line)
-    assert with_source_lines(frames) == text  # as Python prints it
-    assert with_source_lines(text) == text  # none twice
-    unreadable = '  File "/nonexistent/x.py", line 3, in f\n'
-    assert with_source_lines(unreadable) == unreadable
 
 
 def test_the_runners_frames_copied_to_another_host_are_left_out_too() -> None:

@@ -10,15 +10,10 @@ frame inwards, the frames up to the runner's (pytest, pluggy, xdist, execnet, th
 package, the import system) and the runner's are hidden, up to the first other frame,
 the test's; every frame from there inwards stays, whoever's it is. A block without
 such a frame (a thread of the runner's own) stays whole. This module imports nothing from pytest.
-
-A process whose scope expired sends where it was without source lines: reading the
-files, a few milliseconds at a process's first expiry, would hold its ``ScopeExpired``
-back. The watchdog adds them (:func:`with_source_lines`).
 """
 
 from __future__ import annotations
 
-import linecache
 import os
 import re
 import sys
@@ -168,28 +163,3 @@ def trim_stack(text: str, hint: str = HINT) -> str:
             out.extend(line for frame in kept for line in frame)
     trimmed = "\n".join(out)
     return trimmed + "\n" if text.endswith("\n") and out else trimmed
-
-
-_TRACEBACK_FRAME = re.compile(r'^(?P<indent>\s*)File "(?P<file>.*)", line (?P<line>\d+), in ')
-
-
-def with_source_lines(text: str) -> str:
-    """``text`` with each traceback frame that has no source line given the line it
-    names (where the file can be read)."""
-    lines = text.splitlines(keepends=True)
-    out: list[str] = []
-    for n, line in enumerate(lines):
-        out.append(line)
-        frame = _TRACEBACK_FRAME.match(line)
-        if frame is None:
-            continue
-        source_indent = frame["indent"] + "  "
-        following = lines[n + 1] if n + 1 < len(lines) else ""
-        if following.startswith(source_indent) and not _TRACEBACK_FRAME.match(following):
-            continue  # it has its source line
-        linecache.checkcache(frame["file"])  # a file edited since is read again
-        source = linecache.getline(frame["file"], int(frame["line"])).strip()
-        if source:
-            out[-1] = line if line.endswith("\n") else line + "\n"
-            out.append(f"{source_indent}{source}\n")
-    return "".join(out)

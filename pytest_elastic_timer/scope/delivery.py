@@ -245,10 +245,9 @@ def enter_trio_task() -> TrioTask | None:
 
 # -- where the owner was -------------------------------------------------------------
 def owner_stack(frame: FrameType | None, exc: ScopeExpired) -> str:
-    """The stack at ``frame`` (where the owner was interrupted), without source lines
-    (the watchdog adds them); when an event loop runs in the main thread, also where
-    its tasks wait (added to ``exc`` as a note)."""
-    stack = frames_text(frame, STACK_FRAMES) if frame else ""
+    """The stack at ``frame`` (where the owner was interrupted); when an event loop
+    runs in the main thread, also where its tasks wait (added to ``exc`` as a note)."""
+    stack = "".join(traceback.format_stack(frame, limit=STACK_FRAMES)) if frame else ""
     aio = sys.modules.get("asyncio")
     loop = aio._get_running_loop() if aio is not None else None
     if (
@@ -262,19 +261,6 @@ def owner_stack(frame: FrameType | None, exc: ScopeExpired) -> str:
             exc.add_note(f"event loop tasks when the scope expired:\n{tasks}")
         stack = f"{stack}\n{tasks}"
     return stack
-
-
-def frames_text(frame: FrameType | None, limit: int) -> str:
-    """The innermost ``limit`` frames of the stack at ``frame``, as a traceback prints
-    them (outermost first) but without their source lines: reading the files takes a
-    few milliseconds at a process's first expiry, which would hold its ScopeExpired
-    back (:func:`~pytest_elastic_timer.core.stacks.with_source_lines` adds them)."""
-    summary = traceback.StackSummary.extract(
-        traceback.walk_stack(frame), limit=limit, lookup_lines=False
-    )
-    return "".join(
-        f'  File "{f.filename}", line {f.lineno}, in {f.name}\n' for f in reversed(summary)
-    )
 
 
 def tell_expired(

@@ -24,7 +24,7 @@ from typing import Any
 
 import psutil
 
-from pytest_elastic_timer.core import stacks, startup, wire
+from pytest_elastic_timer.core import startup, wire
 from pytest_elastic_timer.core import table as tbl
 from pytest_elastic_timer.watchdog import proctree
 
@@ -55,9 +55,8 @@ class Expiry:
     steps: Generator[float, None, None] | None = None  # the ladder, step by step
 
     def reported_stack(self) -> str:
-        """The stack the owner sent when it raised ("" if it did not), with the source
-        lines that it leaves out."""
-        return stacks.with_source_lines(str((self.report or {}).get("stack", "")))
+        """The stack the owner sent when it raised ("" if it did not)."""
+        return str((self.report or {}).get("stack", ""))
 
 
 @dataclass(eq=False)
