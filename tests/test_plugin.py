@@ -1136,6 +1136,91 @@ def test_an_expiry_is_raised_before_the_report_machinery_loads(pytester: pytest.
     assert session.record("test_setup::setup/fixture")["action"] == "interrupted"
 
 
+FAILED_INSIDE_THE_CALL = """
+import time
+import unittest
+
+import pytest
+import pytest_elastic_timer as et
+
+class T(unittest.TestCase):
+    def test_hang(self):
+        with et.expires(0.3, scope="hang"):
+            time.sleep(30)
+
+@pytest.mark.skipif(pytest.version_tuple < (9,), reason="subtests are built in from pytest 9")
+def test_sub(subtests):
+    with subtests.test(msg="one"):
+        with et.expires(0.3, scope="sub"):
+            time.sleep(30)
+"""
+
+
+def test_an_expiry_whose_failure_is_reported_inside_the_call_reads_timeout(
+    pytester: pytest.Pytester,
+) -> None:
+    # unittest keeps a test's error, which pytest reads when it makes the report, and a
+    # subtest's report is made inside the call: neither failure comes out of the call
+    # phase's wrapper, so the interrupt's handler loads the report machinery for them.
+    pytester.makepyfile(test_ut=FAILED_INSIDE_THE_CALL)
+    session = run(pytester)
+    session.assert_clean()
+    assert re.search(
+        r"^TIMEOUT test_ut.py::T::test_hang - scope 'test_hang::call/hang'", session.stdout, re.M
+    ), session.stdout
+    if pytest.version_tuple >= (9,):
+        subfailed = r"^SUBFAILED\[one\] test_ut.py::test_sub - scope 'test_sub::call/sub'"
+        assert re.search(subfailed, session.stdout, re.M), session.stdout
+
+
+HELD_WHILE_LOADING_CONFTEST = """
+import time
+import sys
+
+import pytest
+import pytest_elastic_timer as et
+
+class SlowLoad:
+    # The report machinery takes a while to load, and the scope a conftest's hook
+    # wrapper entered around the whole test expires meanwhile.
+    def find_spec(self, name, path=None, target=None):
+        if name == "pytest_elastic_timer.plugin.expiry":
+            try:
+                time.sleep(0.6)
+            except et.ScopeExpired as exc:
+                print("RAISED WHILE LOADING", exc.scope)
+                raise
+        return None
+
+sys.meta_path.insert(0, SlowLoad())
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item):
+    try:
+        with et.expires(0.6, scope="protocol"):
+            return (yield)
+    except et.ScopeExpired:
+        return True  # wherever it lands after the loading, the session goes on
+"""
+
+
+def test_an_interrupt_while_the_wrapper_loads_the_report_machinery_is_not_lost(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makeconftest(HELD_WHILE_LOADING_CONFTEST)
+    pytester.makepyfile(
+        test_hang="import time\nimport pytest_elastic_timer as et\n\n"
+        "def test_hang():\n    with et.expires(0.3, scope='hang'):\n        time.sleep(30)\n"
+    )
+    # The wrapper of the call loads the report machinery once the test has failed; the
+    # interrupt of the scope around the test waits for it, then comes again.
+    session = run(pytester, "-s")
+    session.assert_clean()
+    assert "RAISED WHILE LOADING" not in session.stdout, session.stdout
+    assert session.record("protocol/hang")["action"] == "interrupted"
+    assert session.record("protocol")["action"] == "interrupted"
+
+
 FIRST_LOAD_FAILS_CONFTEST = """
 import sys
 

@@ -83,7 +83,7 @@ def pytest_configure(config: pytest.Config) -> None:
         # Inside the interrupt's signal handler, before the ScopeExpired is raised:
         # where a phase wrapper of the plugin will load the failed-report plugins, the
         # exception is not held back by their import.
-        if not running.note_expiry():
+        if not running.note_expiry(config):
             watch_failures(config)
 
     state.expiry_listener = on_expiry

@@ -106,6 +106,15 @@ class RemoteRecords:
                 # The session's guarantees did not hold there: it fails, as for the
                 # controller's own watchdog (lifecycle.check_watchdog).
                 self.state.lose_watchdog(lost)
+        spec = getattr(getattr(node, "gateway", None), "spec", None)
+        if error and spec is not None and maybe_remote(spec):
+            # A worker that execnet's socket server ran took the server with it (the
+            # watchdog there ended it, say), and a loop starts the server again: the
+            # fetch of the worker's records, and xdist's replacement worker, find it
+            # only once it accepts again. xdist calls this first for every worker that
+            # went down, whether or not a test was running.
+            patience = self.state.settings.grace + 5.0
+            wait_for_socket_server(spec, unpatched.monotonic() + patience)
 
 
 def _fetch_on_host(channel: object, token: str, worker: str, patience: float) -> None:
@@ -119,8 +128,7 @@ def _fetch_on_host(channel: object, token: str, worker: str, patience: float) ->
 
 def fetch_from_host(spec: Any, token: str, worker: str, patience: float) -> list[dict[str, Any]]:
     """The records of ``worker`` from the watchdog of the host ``spec`` reaches, through
-    a gateway of its own ([] where that is not possible; a socket server must accept
-    again first: :func:`wait_for_socket_server`)."""
+    a gateway of its own ([] where that is not possible)."""
     import execnet
 
     text = "//".join(p for p in str(spec).split("//") if p and not p.startswith("id="))

@@ -45,16 +45,19 @@ def watch_failures(config: pytest.Config) -> None:
 def watch_failures_of(config: pytest.Config, exc: BaseException) -> None:
     """:func:`watch_failures` for a phase that ends in ``exc``, before pytest makes its
     report. A skip is no failure. The phase's own exception is what its report must
-    show, so loading that fails here (an import cut short by a signal, say) is tried
-    once more, then left for the next failure to try again."""
+    show, so loading that fails here is tried once more, then left for the next
+    failure to try again. An interrupt (a scope still open: the session's, one a
+    conftest's hook wrapper entered) waits for the loading, which it would cut short
+    and be lost in."""
     if isinstance(exc, pytest.skip.Exception):
         return
-    for _ in range(2):
-        try:
-            watch_failures(config)
-            return
-        except Exception:
-            continue
+    with scopes.holding_interrupts():
+        for _ in range(2):
+            try:
+                watch_failures(config)
+                return
+            except Exception:
+                continue
 
 
 class RunningTest:
@@ -187,14 +190,25 @@ class RunningTest:
 _running: list[RunningTest] = []
 
 
-def note_expiry() -> bool:
+def note_expiry(config: pytest.Config) -> bool:
     """A scope of this process expired: the innermost running test was interrupted.
-    Whether a phase wrapper of this plugin runs its phase, and so loads the
-    failed-report plugins if the phase fails (:func:`watch_failures_of`)."""
+    Whether that test is of ``config``'s session and a phase wrapper of this plugin
+    runs its phase, which loads the failed-report plugins when the phase fails
+    (:func:`watch_failures_of`), before pytest makes the phase's report."""
     if not _running:
         return False
-    _running[-1].interrupted = True
-    return _running[-1].guarded
+    running = _running[-1]
+    running.interrupted = True
+    return running.guarded and running.item.config is config and _fails_out_of_phases(running.item)
+
+
+def _fails_out_of_phases(item: pytest.Item) -> bool:
+    """Whether a failure of ``item`` comes out of its phase as an exception (through
+    the plugin's wrappers) before pytest makes the report. Not for a unittest TestCase
+    (unittest keeps the error, which pytest reads when it makes the report), nor for
+    subtests (their reports are made inside the call phase), nor for another plugin's
+    kind of item."""
+    return type(item) is pytest.Function and "subtests" not in item.fixturenames
 
 
 def interrupted_here(item: pytest.Item) -> bool:

@@ -160,18 +160,13 @@ def pytest_handlecrashitem(crashitem: str, report: pytest.TestReport, sched: Any
     records_path = state.watchdog.records_path
     record = wait_for_record(config, records_path, crashitem, worker, patience)
     spec = getattr(gateway, "spec", None)
-    if spec is not None and remote_hosts.maybe_remote(spec):
-        # A worker that execnet's socket server ran took the server with it, and a loop
-        # starts it again: the fetch below, and xdist's replacement once this hook
-        # returns, find it only once it accepts again (also where the record came
-        # with the worker's last words and needs no fetch).
-        remote_hosts.wait_for_socket_server(spec, _monotonic() + patience)
-        if record is None:
-            # Ended on another host by the watchdog there: ask it, through a gateway of
-            # its own (the worker's is gone).
-            token = os.path.basename(state.watchdog.directory)
-            remote_hosts.forward(remote_hosts.fetch_from_host(spec, token, worker, patience))
-            record = wait_for_record(config, records_path, crashitem, worker, 0.0)
+    if record is None and spec is not None and remote_hosts.maybe_remote(spec):
+        # Ended on another host by the watchdog there: ask it, through a gateway of
+        # its own (the worker's is gone; a socket server it ran in accepts again:
+        # RemoteRecords.pytest_testnodedown waited for it).
+        token = os.path.basename(state.watchdog.directory)
+        remote_hosts.forward(remote_hosts.fetch_from_host(spec, token, worker, patience))
+        record = wait_for_record(config, records_path, crashitem, worker, 0.0)
     if record is None:
         return
     outcome: str = report.outcome  # pytest's type knows only its own three outcomes

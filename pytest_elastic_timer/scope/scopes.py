@@ -15,6 +15,7 @@ so an overrun is never silent even if the signal arrives late.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -22,7 +23,7 @@ import sys
 import threading
 import warnings
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from types import FrameType, TracebackType
 from typing import Any, TypeVar
 
@@ -44,6 +45,7 @@ __all__ = [
     "enter_test_phase",
     "expires",
     "expiry_listeners",
+    "holding_interrupts",
     "leave_test_phase",
     "phase_scope",
     "process_state",
@@ -71,8 +73,9 @@ T = TypeVar("T")
 # the watchdog was told: the plugin starts looking at reports then. They run inside the
 # interrupt's signal handler, so one that fails must not replace the ScopeExpired.
 expiry_listeners: list[Callable[[], None]] = []
-# The threads running the listeners: an interrupt that comes meanwhile is sent again a
-# moment later, or the ScopeExpired it raised in a listener would be lost with its error.
+# The threads running the listeners (or other bookkeeping of the plugin's, in
+# holding_interrupts): an interrupt that comes meanwhile is sent again a moment later,
+# or the ScopeExpired it raised in there would be lost with its error.
 _notifying: set[int] = set()
 
 
@@ -772,14 +775,26 @@ def _told(
     state = scope._state or _state
     if task is None and state is not None:  # a task's is told when its cancellation is
         _tell_expired(state, scope, now, delivery.owner_stack(frame, exc))
-    thread = unpatched.get_ident()
-    _notifying.add(thread)
-    try:
+    with holding_interrupts():
         for listener in list(expiry_listeners):
             try:
                 listener()
             except Exception:  # the ScopeExpired is what the owner must get
                 pass
+
+
+@contextlib.contextmanager
+def holding_interrupts() -> Iterator[None]:
+    """Interrupts of this thread wait while the body runs (each is sent again a moment
+    later): for the plugin's own bookkeeping, such as loading its report machinery,
+    which a ScopeExpired raised inside would cut short, and be lost with its error."""
+    thread = unpatched.get_ident()
+    if thread in _notifying:  # held already, by an enclosing caller
+        yield
+        return
+    _notifying.add(thread)
+    try:
+        yield
     finally:
         _notifying.discard(thread)
 
