@@ -1122,9 +1122,8 @@ def test_setup(stuck):
 def test_an_expiry_is_raised_before_the_report_machinery_loads(pytester: pytest.Pytester) -> None:
     # ScopeExpired is raised from the interrupt's signal handler, and loading the
     # modules that make failed reports there held it back by milliseconds at a
-    # process's first expiry: the call phase's wrapper loads them once the phase has
-    # failed. A setup that no wrapper of the plugin runs (no setup budget) still gets
-    # them from the handler, before its report.
+    # process's first expiry: they load once the phase has failed, or at its report
+    # (a setup that no wrapper of the plugin runs: no setup budget).
     pytester.makepyfile(test_hang=RAISED_BEFORE_LOADING)
     session = run(pytester)
     session.assert_clean()
@@ -1153,6 +1152,13 @@ def test_sub(subtests):
     with subtests.test(msg="one"):
         with et.expires(0.3, scope="sub"):
             time.sleep(30)
+
+@pytest.mark.skipif(pytest.version_tuple < (9,), reason="subtests are built in from pytest 9")
+def test_asked(request):
+    subtests = request.getfixturevalue("subtests")
+    with subtests.test(msg="two"):
+        with et.expires(0.3, scope="asked"):
+            time.sleep(30)
 """
 
 
@@ -1161,7 +1167,7 @@ def test_an_expiry_whose_failure_is_reported_inside_the_call_reads_timeout(
 ) -> None:
     # unittest keeps a test's error, which pytest reads when it makes the report, and a
     # subtest's report is made inside the call: neither failure comes out of the call
-    # phase's wrapper, so the interrupt's handler loads the report machinery for them.
+    # phase's wrapper, and the report machinery is loaded at the report itself.
     pytester.makepyfile(test_ut=FAILED_INSIDE_THE_CALL)
     session = run(pytester)
     session.assert_clean()
@@ -1169,8 +1175,11 @@ def test_an_expiry_whose_failure_is_reported_inside_the_call_reads_timeout(
         r"^TIMEOUT test_ut.py::T::test_hang - scope 'test_hang::call/hang'", session.stdout, re.M
     ), session.stdout
     if pytest.version_tuple >= (9,):
-        subfailed = r"^SUBFAILED\[one\] test_ut.py::test_sub - scope 'test_sub::call/sub'"
-        assert re.search(subfailed, session.stdout, re.M), session.stdout
+        for name, msg in (("sub", "one"), ("asked", "two")):
+            subfailed = (
+                rf"^SUBFAILED\[{msg}\] test_ut.py::test_{name} - scope 'test_{name}::call/{name}'"
+            )
+            assert re.search(subfailed, session.stdout, re.M), session.stdout
 
 
 HELD_WHILE_LOADING_CONFTEST = """

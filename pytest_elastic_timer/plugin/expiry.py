@@ -111,14 +111,22 @@ class ExpiryReports:
         self, item: pytest.Item, call: pytest.CallInfo[None]
     ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
         report = yield
-        if report.failed:
-            try:
-                _describe_failure(item, call, report)
-            except Exception as exc:  # the test's own report stands: never an INTERNALERROR
-                report.sections.append(
-                    ("elastic-timer", f"the expiry details could not be added: {exc!r}")
-                )
+        describe_failure(item, call, report)
         return report
+
+
+def describe_failure(
+    item: pytest.Item, call: pytest.CallInfo[None], report: pytest.TestReport
+) -> None:
+    """Lead a failed ``report`` of ``item`` with the line of the scope that expired, and
+    add sections for the expiries in processes the test started."""
+    if report.failed:
+        try:
+            _describe_failure(item, call, report)
+        except Exception as exc:  # the test's own report stands: never an INTERNALERROR
+            report.sections.append(
+                ("elastic-timer", f"the expiry details could not be added: {exc!r}")
+            )
 
 
 def _describe_failure(

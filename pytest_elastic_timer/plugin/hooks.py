@@ -80,11 +80,8 @@ def pytest_configure(config: pytest.Config) -> None:
     # A scope that expires in this process (in a test or beside it) is a failure, and
     # the test it cut short leaves no processes behind.
     def on_expiry() -> None:
-        # Inside the interrupt's signal handler, before the ScopeExpired is raised:
-        # where a phase wrapper of the plugin will load the failed-report plugins, the
-        # exception is not held back by their import.
-        if not running.note_expiry(config):
-            watch_failures(config)
+        running.note_expiry()
+        running.watch_failures_soon(config)
 
     state.expiry_listener = on_expiry
     scopes.expiry_listeners.append(state.expiry_listener)

@@ -158,7 +158,10 @@ def wait_for_socket_server(spec: Any, give_up: float) -> None:
     while True:
         with socket.socket() as probe:
             probe.settimeout(1.0)
-            if probe.connect_ex((host or "localhost", int(port))) == 0:
+            try:
+                if probe.connect_ex((host or "localhost", int(port))) == 0:
+                    return
+            except (OSError, OverflowError):  # no such host, or port: nothing to wait for
                 return
         if unpatched.monotonic() >= give_up:
             return

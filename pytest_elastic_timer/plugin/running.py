@@ -40,6 +40,55 @@ def watch_failures(config: pytest.Config) -> None:
     from pytest_elastic_timer.plugin import expiry
 
     expiry.register_reports(config)
+    config.stash[_WATCHING_FAILURES] = True
+    manager = config.pluginmanager
+    if manager.has_plugin(ReportsOnFirstUse.NAME):
+        manager.unregister(name=ReportsOnFirstUse.NAME)  # the plugins are here now
+
+
+_WATCHING_FAILURES = pytest.StashKey[bool]()
+
+
+def watch_failures_soon(config: pytest.Config) -> None:
+    """:func:`watch_failures` at the next report pytest makes, for that report too.
+
+    For a scope's expiry: the listeners run inside the interrupt's signal handler,
+    before the ScopeExpired is raised, and importing the report plugins there held it
+    back by 3 to 15 ms at a process's first expiry. Registering a stand-in costs
+    0.2 ms, and covers every report that follows, however it is made (unittest keeps
+    a test's error until the report, subtests make theirs inside the call, the
+    ScopeExpired may go to another thread)."""
+    manager = config.pluginmanager
+    if config.stash.get(_WATCHING_FAILURES, False) or manager.has_plugin(ReportsOnFirstUse.NAME):
+        return
+    manager.register(ReportsOnFirstUse(config), ReportsOnFirstUse.NAME)
+
+
+class ReportsOnFirstUse:
+    """Stands in for the failed-report plugins until the next report is made, then
+    loads them and hands them that report (:func:`watch_failures_soon`)."""
+
+    NAME = "elastic_timer_reports_on_first_use"
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(
+        self, item: pytest.Item, call: pytest.CallInfo[None]
+    ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+        report = yield
+        # The plugins registered now take the reports to come; this one is already
+        # being made without them.
+        with scopes.holding_interrupts():
+            try:
+                watch_failures(self.config)
+            except Exception:
+                return report  # tried again at the next failure
+            from pytest_elastic_timer.plugin import expiry
+
+            expiry.describe_failure(item, call, report)
+        return report
 
 
 def watch_failures_of(config: pytest.Config, exc: BaseException) -> None:
@@ -84,9 +133,6 @@ class RunningTest:
         # A scope of this process expired during the test: its run was cut short by
         # the plugin, so the processes it leaves are ended even under "warn".
         self.interrupted = False
-        # A phase wrapper of this plugin runs the phase now: if the phase fails, it
-        # loads the failed-report plugins before pytest makes the report.
-        self.guarded = False
 
     def switch(self, when: str, *, named: bool = True) -> None:
         """The phase ``when`` begins (once): the phase before it is traced, the table
@@ -190,25 +236,10 @@ class RunningTest:
 _running: list[RunningTest] = []
 
 
-def note_expiry(config: pytest.Config) -> bool:
-    """A scope of this process expired: the innermost running test was interrupted.
-    Whether that test is of ``config``'s session and a phase wrapper of this plugin
-    runs its phase, which loads the failed-report plugins when the phase fails
-    (:func:`watch_failures_of`), before pytest makes the phase's report."""
-    if not _running:
-        return False
-    running = _running[-1]
-    running.interrupted = True
-    return running.guarded and running.item.config is config and _fails_out_of_phases(running.item)
-
-
-def _fails_out_of_phases(item: pytest.Item) -> bool:
-    """Whether a failure of ``item`` comes out of its phase as an exception (through
-    the plugin's wrappers) before pytest makes the report. Not for a unittest TestCase
-    (unittest keeps the error, which pytest reads when it makes the report), nor for
-    subtests (their reports are made inside the call phase), nor for another plugin's
-    kind of item."""
-    return type(item) is pytest.Function and "subtests" not in item.fixturenames
+def note_expiry() -> None:
+    """A scope of this process expired: the innermost running test was interrupted."""
+    if _running:
+        _running[-1].interrupted = True
 
 
 def interrupted_here(item: pytest.Item) -> bool:
@@ -285,7 +316,6 @@ def call(item: pytest.Item) -> Generator[None, None, None]:
         running.state.watch_for_leaks()
         running.children = leaks.snapshot()
     running.switch("call", named=budgets.call is None)
-    running.guarded = True
     try:
         if budgets.call is None:
             return (yield)
@@ -305,8 +335,6 @@ def call(item: pytest.Item) -> Generator[None, None, None]:
     except BaseException as exc:
         watch_failures_of(item.config, exc)
         raise
-    finally:
-        running.guarded = False
 
 
 def run_coroutine_in_task_of(item: pytest.Item, scope: TimerRequest) -> Callable[[], None]:
@@ -346,8 +374,8 @@ def _call_of_unknown_test(item: pytest.Item) -> Generator[None, None, None]:
             return (yield)
         with phase_scope(item, "call", budgets):
             return (yield)
-    except BaseException:
-        watch_failures(item.config)
+    except BaseException as exc:
+        watch_failures_of(item.config, exc)
         raise
 
 
@@ -358,14 +386,12 @@ def teardown(item: pytest.Item) -> Generator[None, None, None]:
     if running is None:
         return (yield)
     running.switch("teardown")
-    running.guarded = True
     try:
         return (yield)
     except BaseException as exc:
         watch_failures_of(item.config, exc)
         raise
     finally:
-        running.guarded = False
         # Leftover processes are found here, inside the teardown: a warning made an
         # error (-W error) fails the test's teardown.
         if _running and _running[-1] is running:
@@ -386,18 +412,12 @@ class PhaseBudgets:
         begin(item, named=budgets.setup is None)
         if budgets.setup is None:
             return (yield)
-        running = current(item)
-        if running is not None:
-            running.guarded = True
         try:
             with phase_scope(item, "setup", budgets):
                 return (yield)
         except BaseException as exc:
             watch_failures_of(item.config, exc)
             raise
-        finally:
-            if running is not None:
-                running.guarded = False
 
     # Inside the plugin's own teardown wrapper (tryfirst), which began the phase, watches
     # failures when it raises, and ends the test after this scope ended.
