@@ -113,8 +113,8 @@ class RemoteRecords:
             # fetch of the worker's records, and xdist's replacement worker, find it
             # only once it accepts again. xdist calls this first for every worker that
             # went down, whether or not a test was running.
-            patience = self.state.settings.grace + 5.0
-            wait_for_socket_server(spec, unpatched.monotonic() + patience)
+            give_up = unpatched.monotonic() + self.state.ended_worker_patience()
+            wait_for_socket_server(spec, give_up)
 
 
 def _fetch_on_host(channel: object, token: str, worker: str, patience: float) -> None:

@@ -83,6 +83,12 @@ class SessionState:
         if why not in self.lost_watchdog:
             self.lost_watchdog = f"{self.lost_watchdog}; {why}" if self.lost_watchdog else why
 
+    def ended_worker_patience(self) -> float:
+        """How long the controller waits on what a worker that went down leaves behind
+        (the record of its ending, its host's socket server): the grace, within which
+        its escalation ends, and 5 s more."""
+        return self.settings.grace + 5.0
+
     def watchdog_named(self, pid: int) -> str:
         """``the watchdog (pid N)``, with the host on another host, whose pid it is."""
         host = f", host {self.other_host}" if self.other_host else ""

@@ -156,7 +156,7 @@ def pytest_handlecrashitem(crashitem: str, report: pytest.TestReport, sched: Any
         return
     gateway = getattr(report.node, "gateway", None)
     worker = str(getattr(gateway, "id", ""))
-    patience = state.settings.grace + 5.0
+    patience = state.ended_worker_patience()
     records_path = state.watchdog.records_path
     record = wait_for_record(config, records_path, crashitem, worker, patience)
     spec = getattr(gateway, "spec", None)
