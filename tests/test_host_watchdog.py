@@ -26,8 +26,8 @@ from helpers import pump, wait_gone
 from pytest_elastic_timer.core import hostlink, records, wire
 from pytest_elastic_timer.watchdog import proctree
 from pytest_elastic_timer.watchdog import server as wd
-from pytest_elastic_timer.watchdog.__main__ import Assembly, build
 from pytest_elastic_timer.watchdog.remote_host import HostRole
+from pytest_elastic_timer.watchdog.wiring import Assembly, build
 
 RECORD = records.ExpiryRecord(
     nodeid="test_remote.py::test_gil",

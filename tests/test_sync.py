@@ -35,9 +35,9 @@ from pytest_elastic_timer.core import wire
 from pytest_elastic_timer.scope.client import ENV_ADDRESS
 from pytest_elastic_timer.sync import protocol
 from pytest_elastic_timer.watchdog import proctree
-from pytest_elastic_timer.watchdog.__main__ import Assembly, build
 from pytest_elastic_timer.watchdog.loop import ManualClock
 from pytest_elastic_timer.watchdog.server import Watchdog
+from pytest_elastic_timer.watchdog.wiring import Assembly, build
 
 REPORT_SCHEMA = Path(et.__file__).parent / "core" / "report.schema.json"
 SLACK = 0.5  # how long after its timeout a waiter may be released

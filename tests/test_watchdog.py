@@ -696,6 +696,66 @@ def test_a_watchdog_loads_the_primitives_and_the_rings_only_when_used() -> None:
     assert "pytest_elastic_timer.core.collectives" not in imported
 
 
+# The watchdog's entry as far as its relay, its modules then loading for a minute.
+RELAY_THEN_SLOW_LOADING = """
+import os, time
+from pytest_elastic_timer.watchdog.control import StdinRelay
+relay = StdinRelay()
+os.write(1, b"relaying\\n")
+time.sleep(60)
+"""
+# The watchdog's entry as far as its relay, then its loop: what the relay passes on.
+RELAY_THEN_READ = """
+import os, sys
+from pytest_elastic_timer.watchdog.control import StdinRelay
+relay = StdinRelay()
+data = b""
+while chunk := os.read(relay.fileno(), 4096):
+    data += chunk
+sys.stderr.write(data.decode())
+"""
+STOP_NOT_WAITED = b'{"op": "stop", "session": {"exitstatus": 0}, "waited": false}\n'
+STOP_WAITED = b'{"op": "stop", "session": {"exitstatus": 0}, "waited": true}\n'
+
+
+def test_a_stop_not_waited_for_lets_go_of_the_output_while_the_modules_still_load() -> None:
+    """A short session stops before its watchdog has loaded its modules; a shell reading
+    pytest's output through a pipe that the watchdog shares must not wait for them."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", RELAY_THEN_SLOW_LOADING],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert child.stdin is not None and child.stdout is not None and child.stderr is not None
+        assert child.stdout.readline() == b"relaying\n"
+        child.stdin.write(STOP_NOT_WAITED)
+        child.stdin.flush()
+        # End-of-file on both, the process still loading (asleep).
+        assert select.select([child.stderr], [], [], 30)[0], "the output was not let go"
+        assert child.stderr.read() == b""
+        assert child.stdout.read() == b""
+        assert child.poll() is None
+    finally:
+        child.kill()
+        child.wait()
+        for stream in (child.stdin, child.stdout, child.stderr):
+            if stream is not None:
+                stream.close()
+
+
+def test_the_relay_passes_the_control_pipe_on_and_keeps_the_output_for_a_waited_stop() -> None:
+    """Every byte pytest writes reaches the loop, end-of-file included; a stop that
+    pytest waits for (a report to read back) leaves the output where it is."""
+    command = b"not a command\n" + STOP_WAITED
+    done = subprocess.run(
+        [sys.executable, "-c", RELAY_THEN_READ], input=command, capture_output=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == command
+
+
 # -- process identity --------------------------------------------------------------
 HANDLES_SIGUSR2 = """
 import signal, time

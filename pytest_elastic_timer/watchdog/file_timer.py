@@ -23,7 +23,7 @@ process of the session that finds the path changed after a test asks for op
 is made again where no server reads what is there now.
 
 An intake: it uses only its :class:`~.host.TableHost` and is plugged into the watchdog
-by the wiring (:func:`pytest_elastic_timer.watchdog.__main__.build`).
+by the wiring (:func:`pytest_elastic_timer.watchdog.wiring.build`).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ barriers, events and locks (:mod:`pytest_elastic_timer.sync.server`). An intake 
 handed a :class:`Host` and uses nothing else of the watchdog: it never reads the
 watchdog's attributes, never imports the watchdog's modules, and the watchdog never
 imports an intake. The two meet only in the wiring (``python -m
-pytest_elastic_timer.watchdog``, :func:`pytest_elastic_timer.watchdog.__main__.build`),
+pytest_elastic_timer.watchdog``, :func:`pytest_elastic_timer.watchdog.wiring.build`),
 which plugs each intake into the watchdog: ops of the socket to their handlers, a file
 descriptor to its reader, the end of a connection or of the session to a callback.
 

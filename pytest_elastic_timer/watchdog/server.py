@@ -19,7 +19,6 @@ Nothing here imports pytest; the wiring is in :mod:`.__main__`.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socket
@@ -34,7 +33,7 @@ import psutil
 from pytest_elastic_timer.core import table as tbl
 from pytest_elastic_timer.core import wire
 from pytest_elastic_timer.core.records import ExpiryRecord
-from pytest_elastic_timer.watchdog import proctree
+from pytest_elastic_timer.watchdog import control, proctree
 from pytest_elastic_timer.watchdog.collectives import CollectivesAmender
 from pytest_elastic_timer.watchdog.connections import Connections
 from pytest_elastic_timer.watchdog.dumps import Dumper
@@ -346,16 +345,14 @@ class Watchdog:
         self._control_buffer += data
         while b"\n" in self._control_buffer:
             line, self._control_buffer = self._control_buffer.split(b"\n", 1)
-            try:
-                command = json.loads(line)
-            except (ValueError, RecursionError):
+            command = control.stop_command(line)
+            if command is None:
                 self.drop()
                 continue
-            if isinstance(command, dict) and command.get("op") == "stop":
-                self.session.update(command.get("session") or {})
-                self.stopping = True
-                if command.get("waited") is False:
-                    _leave_output()
+            self.session.update(command.get("session") or {})
+            self.stopping = True
+            if command.get("waited") is False:
+                control.leave_output()  # the relay did so already, where there is one
 
     # -- the end ------------------------------------------------------------------
     def _ending_root(self) -> None:
@@ -423,16 +420,3 @@ class Watchdog:
         self.connections.close()
         self.owners.close()
         self.loop.close()
-
-
-def _leave_output() -> None:
-    """Let go of the output this process shares with pytest, which ended its session
-    normally and does not wait: a shell or CI step that reads pytest's output through
-    a pipe need not wait for this process's end either. Only a pytest that died has
-    anything to hear from it."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        for fd in (1, 2):
-            os.dup2(devnull, fd)
-    finally:
-        os.close(devnull)

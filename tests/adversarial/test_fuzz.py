@@ -40,8 +40,8 @@ from pytest_elastic_timer.core import startup, wire
 from pytest_elastic_timer.core import table as tbl
 from pytest_elastic_timer.sync import protocol
 from pytest_elastic_timer.watchdog import proctree
-from pytest_elastic_timer.watchdog.__main__ import build
 from pytest_elastic_timer.watchdog.server import Watchdog
+from pytest_elastic_timer.watchdog.wiring import build
 
 from .conftest import ON_TIME, Dog, Probe
 

@@ -1,0 +1,93 @@
+"""The control pipe: what pytest tells the watchdog of its session, on the watchdog's stdin.
+
+pytest writes one command, a JSON line ``{"op": "stop", "session": {...}, "waited":
+bool}``, when its session ends, then closes the pipe. End-of-file without a stop means
+that pytest died. The watchdog shares pytest's output (its stderr, where it speaks if
+pytest died), and a shell or CI step that reads that output through a pipe sees its end
+only once every process holding it has let go; so on a stop that pytest does not wait
+for, the watchdog lets go of the output at once (:func:`leave_output`).
+
+A short session says stop before its watchdog has loaded its modules: the
+:class:`StdinRelay` reads the pipe from the process's first moment, in a thread of its
+own, lets go of the output as soon as such a stop comes, and passes every byte on to
+the watchdog's loop. Only the standard library's already loaded modules are imported
+here: this module is loaded before the watchdog's own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from typing import Any
+
+STOP = "stop"
+RELAY_THREAD = "elastic-timer-control"
+
+
+def stop_command(line: bytes) -> dict[str, Any] | None:
+    """The stop command that ``line`` (without its newline) is, or None if it is not
+    one (another command, or not JSON: dropped by the caller)."""
+    try:
+        command = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    if isinstance(command, dict) and command.get("op") == STOP:
+        return command
+    return None
+
+
+def leave_output() -> None:
+    """Let go of the output this process shares with pytest, which ended its session
+    normally and does not wait: only a pytest that died has anything to hear from the
+    watchdog."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for fd in (1, 2):
+            os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+
+
+class StdinRelay:
+    """This process's stdin read from now on by a thread, which passes it on through a
+    pipe (:meth:`fileno`, for the watchdog's loop) and lets go of pytest's output at a
+    stop that pytest does not wait for, however far the main thread has got.
+
+    The thread ends with the pipe: at end-of-file of stdin it closes the relay's write
+    end, so the loop reads end-of-file too.
+    """
+
+    def __init__(self, fd: int = 0) -> None:
+        self._fd = fd
+        self._read_end, self._write_end = os.pipe()
+        self.thread = threading.Thread(target=self._run, name=RELAY_THREAD, daemon=True)
+        self.thread.start()
+
+    def fileno(self) -> int:
+        """The read end of the relay's pipe."""
+        return self._read_end
+
+    def close(self) -> None:
+        """Close the read end (the thread ends at its next write, or with the process)."""
+        if self._read_end >= 0:
+            os.close(self._read_end)
+            self._read_end = -1
+
+    def _run(self) -> None:
+        first_line = b""
+        looking = True  # pytest says one command; only the first line is looked at
+        try:
+            while data := os.read(self._fd, 65536):
+                if looking:
+                    first_line += data
+                    if b"\n" in first_line:
+                        looking = False
+                        command = stop_command(first_line.split(b"\n", 1)[0])
+                        if command is not None and command.get("waited") is False:
+                            leave_output()
+                os.write(self._write_end, data)
+        except OSError:
+            pass  # the loop closed its end (the watchdog is ending), or stdin went bad
+        finally:
+            os.close(self._write_end)
