@@ -1065,10 +1065,20 @@ FAILURE_MODULES = (
 FAILURE_MODULES_CONFTEST = f"""
 import sys
 
+FACTS = "pytest_elastic_timer.plugin.session_facts"
+HOOKSPECS = "pytest_elastic_timer.plugin.hookspecs"
+at_start = []
+
+
+def pytest_sessionstart(session):
+    # SessionFacts, a dataclass, defined anywhere yet?
+    at_start.append(FACTS in sys.modules or "SessionFacts" in vars(sys.modules[HOOKSPECS]))
+
 
 def pytest_unconfigure(config):
     loaded = [m for m in {FAILURE_MODULES!r} if m in sys.modules]
     print("FAILURE MODULES", " ".join(loaded))
+    print("SESSION FACTS AT START", at_start)
 """
 
 
@@ -1085,6 +1095,12 @@ def test_a_passing_session_loads_no_failure_machinery(pytester: pytest.Pytester)
     passing = run(pytester, "test_one.py", "-p", "no:fakefs", report=False, lean=False)
     passing.result.assert_outcomes(passed=1)
     assert "FAILURE MODULES " in passing.lines  # none, though the watchdog answered
+    # Nor a dataclass defined at start: the hooks' SessionFacts is made at the end.
+    assert "SESSION FACTS AT START [False]" in passing.lines
+    # A budget brings the slow phases' output at the end, which reads no records.
+    budgeted = run(pytester, "test_one.py", "--expires=30", report=False)
+    budgeted.result.assert_outcomes(passed=1)
+    assert "FAILURE MODULES " in budgeted.lines
     failing = run(pytester, "test_fails.py", report=False)
     failing.result.assert_outcomes(failed=1)
     loaded = next(line for line in failing.lines if line.startswith("FAILURE MODULES"))

@@ -14,21 +14,24 @@ import heapq
 import math
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import pytest
 
-from pytest_elastic_timer.core.records import ExpiryRecord
-from pytest_elastic_timer.plugin.hookspecs import SessionFacts
+if TYPE_CHECKING:
+    from pytest_elastic_timer.core.records import ExpiryRecord
+    from pytest_elastic_timer.plugin.hookspecs import SessionFacts
 
 SLOWEST_TESTS = 50  # tests listed in the JSON report's session.slowest
 SLOWEST_SCOPES = 3  # scopes listed per test there
 PHASES = ("setup", "call", "teardown")
 
 
-@dataclass(frozen=True)
-class PhaseTime:
+# A named tuple and a plain class, not dataclasses: this module loads at the end of
+# every session with a budget, and defining a dataclass costs 0.2 to 0.5 ms (see
+# docs/design.md, "One dataclass defined at start"); the records it imported only for
+# annotations cost some 1.5 ms more.
+class PhaseTime(NamedTuple):
     """How long one test phase took, against its budget."""
 
     nodeid: str
@@ -60,14 +63,14 @@ class PhaseTime:
         }
 
 
-@dataclass
 class Phases:
     """The phase times read from the terminal's reports once the session ended."""
 
-    # Slow phases, the most slow first.
-    slow: list[PhaseTime] = field(default_factory=list)
-    # (nodeid, when, seconds, budget) per phase of the slowest tests.
-    slowest: list[tuple[str, str, float, float | None]] = field(default_factory=list)
+    def __init__(self) -> None:
+        # Slow phases, the most slow first.
+        self.slow: list[PhaseTime] = []
+        # (nodeid, when, seconds, budget) per phase of the slowest tests.
+        self.slowest: list[tuple[str, str, float, float | None]] = []
 
 
 PHASES_KEY = pytest.StashKey[Phases]()

@@ -24,7 +24,6 @@ from pytest_elastic_timer.plugin import hookspecs, leaks, lifecycle, real_filesy
 from pytest_elastic_timer.plugin.budgets import BudgetBook, Budgets
 from pytest_elastic_timer.plugin.fixtures import elastic_timer as elastic_timer
 from pytest_elastic_timer.plugin.fixtures import elastic_timer_server as elastic_timer_server
-from pytest_elastic_timer.plugin.hookspecs import SessionFacts
 from pytest_elastic_timer.plugin.options import MARKER, add_options, any_given, read_settings
 from pytest_elastic_timer.plugin.running import watch_failures
 from pytest_elastic_timer.plugin.state import (
@@ -40,6 +39,7 @@ from pytest_elastic_timer.scope import scopes
 
 if TYPE_CHECKING:
     from pytest_elastic_timer.core import records
+    from pytest_elastic_timer.plugin.session_facts import SessionFacts
 
 # The CI outputs, by the condition under which a session uses them.
 CI_SLOW = "pytest_elastic_timer.ci.slow"

@@ -8,14 +8,15 @@ the process that reports the session: the xdist controller, or the only process.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from pytest_elastic_timer.core.records import ExpiryRecord
+    from pytest_elastic_timer.plugin.session_facts import SessionFacts as SessionFacts
 
 hookspec = pytest.hookspec
 
@@ -23,32 +24,15 @@ hookspec = pytest.hookspec
 PhaseBudgets = tuple[float | None, float | None, float | None]
 
 
-@dataclass
-class SessionFacts:
-    """What the plugin knows of the session when it ends."""
+def __getattr__(name: str) -> Any:
+    """``SessionFacts``, the ``session`` argument of the hooks below, is defined in
+    :mod:`.session_facts` when first used (at the session's end): a dataclass costs
+    every session's start-up some 0.4 ms to define."""
+    if name == "SessionFacts":
+        from pytest_elastic_timer.plugin.session_facts import SessionFacts
 
-    pid: int  # the pytest process (controller or only process)
-    args: list[str]  # pytest's command-line arguments
-    started: float  # time.time() at configure
-    rootdir: str
-    scale: float  # the scale factor every budget below is multiplied by
-    default_call: float | None  # the call budget of a test without a marker, scaled
-    report: str | None  # --elastic-timer-report, or None
-    trace: str | None  # --elastic-timer-trace, or None
-    slow: float  # --elastic-timer-slow (0 = off)
-    directory: str = ""  # the watchdog's session directory ("" without a watchdog)
-    exitstatus: int | None = None  # set once the session finished
-    # The failed tests that expired scopes failed, by node id (see pytest_elastic_timer_expired).
-    expired: Mapping[str, list[ExpiryRecord]] = field(default_factory=dict)
-    # The scaled budgets of the tests whose budgets differ from the default, by node id.
-    budgets: Mapping[str, PhaseBudgets] = field(default_factory=dict)
-
-    def budget_of(self, nodeid: str, when: str) -> float | None:
-        """The scaled budget of phase ``when`` of test ``nodeid`` (None = unbounded)."""
-        known = self.budgets.get(nodeid)
-        if known is not None:
-            return known[("setup", "call", "teardown").index(when)]
-        return self.default_call if when == "call" else None
+        return SessionFacts
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @hookspec

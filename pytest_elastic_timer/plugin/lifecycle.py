@@ -8,13 +8,12 @@ import os
 import sys
 import warnings
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from pytest_elastic_timer.core import startup, unpatched
 from pytest_elastic_timer.plugin import launcher, leaks
-from pytest_elastic_timer.plugin.hookspecs import SessionFacts
 from pytest_elastic_timer.plugin.state import (
     SESSION,
     SessionState,
@@ -24,6 +23,9 @@ from pytest_elastic_timer.plugin.state import (
 )
 from pytest_elastic_timer.scope import client, scopes
 from pytest_elastic_timer.scope.scopes import ScopeExpired, TimerRequest
+
+if TYPE_CHECKING:
+    from pytest_elastic_timer.plugin.session_facts import SessionFacts
 
 SESSION_END_GRACE = 5.0  # for the session's end (summary, reports) after its interrupt
 SESSION_SCOPE = "session"  # the name of the session's own scope (--expires-session)
@@ -232,6 +234,8 @@ def check_watchdog(session: pytest.Session, state: SessionState) -> None:
 
 def facts_for_hooks(config: pytest.Config, state: SessionState) -> SessionFacts:
     """What the plugin's session hooks are given."""
+    from pytest_elastic_timer.plugin.session_facts import SessionFacts  # at the end only
+
     settings = state.settings
     book = state.budgets
     default_call = book.scaled(book.default)[1]
