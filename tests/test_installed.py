@@ -394,6 +394,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 
 PACKAGE = os.sep + "pytest_elastic_timer" + os.sep
 _getpid = os.getpid
@@ -473,6 +474,8 @@ builtins.open = _counting("open", open, direct=True)
 json.dumps = _counting("json.dumps", json.dumps, direct=True)
 json.loads = _counting("json.loads", json.loads, direct=True)
 threading.get_ident = _counting("threading.get_ident", threading.get_ident, direct=True)
+# What a test does that wants fixed ids (direct: as above).
+uuid.uuid4 = _counting("uuid.uuid4", uuid.uuid4, direct=True)
 
 
 class _CountingThread(threading.Thread):
@@ -552,9 +555,9 @@ def test_nothing_goes_through_names_a_test_may_patch(
     """time.sleep, time.time, time.monotonic (also where a module of the package holds
     them, as freezegun replaces them there), os.kill, os.getpid, subprocess's functions, and
     socket.socket, its connect and socket.socketpair (as pytest-socket replaces them),
-    open, json.dumps and json.loads, threading.Thread, threading.Timer and
-    threading.get_ident, replaced for a whole session (scopes, an expiry caught and one
-    that fails its test, a leftover process the plugin ends, a nested session that
+    open, json.dumps and json.loads, threading.Thread, threading.Timer,
+    threading.get_ident and uuid.uuid4, replaced for a whole session (scopes, an expiry
+    caught and one that fails its test, a leftover process the plugin ends, a nested session that
     starts and stops its own watchdog, xdist), are never called by the plugin in a
     test's process."""
     calls = pytester.path / "calls.txt"

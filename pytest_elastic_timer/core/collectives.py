@@ -35,7 +35,6 @@ import mmap
 import os
 import re
 import struct
-import uuid
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -112,7 +111,7 @@ SAME_SHAPES = frozenset(
 
 def ring_path(directory: str, pid: int) -> str:
     """A new ring's file name for process ``pid`` in the session ``directory``."""
-    return os.path.join(directory, f"{PREFIX}{pid}-{uuid.uuid4().hex[:8]}")
+    return os.path.join(directory, f"{PREFIX}{pid}-{unpatched.random_hex()}")
 
 
 def process_starttime(pid: int) -> int:

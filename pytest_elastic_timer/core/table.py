@@ -30,7 +30,6 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-import uuid
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -87,7 +86,7 @@ _PHASE_NAMES = {code: name for name, code in PHASE_FLAGS.items()}
 def file_name(pid: int) -> str:
     """A new table's file name for process ``pid``: ``table-<pid>-<random>`` (a pid
     reused within a session gets a file of its own)."""
-    return f"table-{pid}-{uuid.uuid4().hex[:8]}"
+    return f"table-{pid}-{unpatched.random_hex()}"
 
 
 def pid_of_file(name: str) -> int:

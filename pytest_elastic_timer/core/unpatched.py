@@ -44,6 +44,17 @@ waitpid = os.waitpid
 waitid = getattr(os, "waitid", None)
 pidfd_open = getattr(os, "pidfd_open", None)
 
+# The random part of the names of a session's files (tables, dumps, traces, rings):
+# not uuid.uuid4, which tests replace to get fixed ids (and whose module, with the
+# platform module it loads, costs a process that has neither some 2 ms).
+urandom = os.urandom
+
+
+def random_hex(nbytes: int = 4) -> str:
+    """``2 * nbytes`` random hexadecimal digits."""
+    return urandom(nbytes).hex()
+
+
 # Messages to the watchdog, records read back, report files written.
 open = builtins.open
 dumps = json.dumps

@@ -23,7 +23,6 @@ import signal
 import socket
 import sys
 import threading
-import uuid
 from collections import deque
 from collections.abc import Callable
 from types import CodeType, FrameType
@@ -304,7 +303,7 @@ class ProcessState:
             # No handler yet, or one into another session's directory (a pytest run
             # inside a test of another): dump into this session's directory until
             # close() puts the earlier registration back.
-            dump_path = os.path.join(directory, f"dump-{self.pid}-{uuid.uuid4().hex[:8]}")
+            dump_path = os.path.join(directory, f"dump-{self.pid}-{unpatched.random_hex()}")
             self.dump = startup.register_dump(self.dump_sig, dump_path)
         hello = wire.encode("hello", pid=self.pid, table=path, dump=dump_path)
         if self.interrupt_sig:
@@ -330,7 +329,7 @@ class ProcessState:
 
     def _start_trace(self, directory: str) -> None:
         self.trace = []
-        self.trace_path = os.path.join(directory, f"trace-{self.pid}-{uuid.uuid4().hex[:8]}")
+        self.trace_path = os.path.join(directory, f"trace-{self.pid}-{unpatched.random_hex()}")
         atexit.register(self.flush_trace)
 
     def welcome(self, wait: bool = True) -> None:
