@@ -5,7 +5,7 @@ first worker of the session on such a host starts a watchdog there (the same pro
 the same ladder); the other workers on that host join it. What differs is who belongs
 to the session and when it ends, and that is this module, a part of that watchdog
 (not an intake: it decides who the session's roots are, and when the session ends),
-plugged in by the wiring in ``__main__``:
+plugged in by the wiring (:mod:`.wiring`):
 
 - **Joining.** A worker joins on ``join.sock`` (``core/hostlink.py``) and becomes a root
   of the session here: it and its descendants may register and are enforced.

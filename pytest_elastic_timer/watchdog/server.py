@@ -14,7 +14,7 @@ The parts, one job each:
 ``expired``, ``sync``, and the ops of plugged-in intakes), reads the control pipe from
 the pytest process, and ends the session. It is also the :class:`~.host.Host` of its
 intakes. It exits by itself when the pytest process dies: that closes its stdin.
-Nothing here imports pytest; the wiring is in :mod:`.__main__`.
+Nothing here imports pytest; the wiring is in :mod:`.wiring`.
 """
 
 from __future__ import annotations

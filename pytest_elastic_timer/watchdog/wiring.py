@@ -38,9 +38,7 @@ if TYPE_CHECKING:
 class SyncIntake:
     """The server of barriers, events and locks, made at the session's first call of
     one: most sessions make none, and its modules would cost every watchdog's start-up
-    some 5 ms, which a short session pays at its end: the watchdog shares pytest's
-    stderr, so a program reading pytest's output sees its end once the watchdog has
-    exited."""
+    some 5 ms of a core, while pytest, beside it, runs its session."""
 
     def __init__(self, dog: Watchdog) -> None:
         self.dog = dog
