@@ -553,10 +553,11 @@ def controlled() -> Iterator[tuple[Watchdog, int]]:
 def test_stop_ends_the_session_with_the_facts_it_carries() -> None:
     with controlled() as (dog, pipe):
         os.write(pipe, b"not json\n")
+        os.write(pipe, b'{"op": "hello"}\n')  # JSON, but no command of the pipe's
         os.write(pipe, b'{"op": "stop", "session": {"exitstatus": 0}}\n')
         dog.run_once(max_wait=0)
         assert dog.stopping
-        assert dog.dropped == 1
+        assert dog.dropped == 2
         assert dog.session["exitstatus"] == 0
         os.close(pipe)  # the plugin closes its end after "stop"
         dog.run_once(max_wait=0)
@@ -745,15 +746,59 @@ def test_a_stop_not_waited_for_lets_go_of_the_output_while_the_modules_still_loa
                 stream.close()
 
 
-def test_the_relay_passes_the_control_pipe_on_and_keeps_the_output_for_a_waited_stop() -> None:
-    """Every byte pytest writes reaches the loop, end-of-file included; a stop that
-    pytest waits for (a report to read back) leaves the output where it is."""
-    command = b"not a command\n" + STOP_WAITED
+@pytest.mark.parametrize(
+    "command",
+    [STOP_WAITED + b"x" * 200_000, b"not a command\n" + STOP_NOT_WAITED],
+    ids=["waited", "not-a-command-first"],
+)
+def test_the_relay_passes_the_control_pipe_on_and_keeps_the_output(command: bytes) -> None:
+    """Every byte pytest writes reaches the loop, end-of-file included (more than a
+    pipe holds, too); a stop that pytest waits for (a report to read back) leaves the
+    output where it is, and so does a first line that is no stop."""
     done = subprocess.run(
         [sys.executable, "-c", RELAY_THEN_READ], input=command, capture_output=True, timeout=60
     )
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 0, done.stderr[-500:]
     assert done.stderr == command
+
+
+# The relay of a watchdog started with its standard descriptors closed: its own pipe
+# must not take their numbers.
+RELAY_WITHOUT_STDIO = """
+import os, sys
+from pytest_elastic_timer.watchdog.control import StdinRelay
+control = int(sys.argv[1])
+err = os.dup(2)
+for fd in (0, 1, 2):
+    os.close(fd)
+relay = StdinRelay(control)
+data = b""
+while chunk := os.read(relay.fileno(), 4096):
+    data += chunk
+os.write(err, data)
+"""
+
+
+def test_the_relay_keeps_clear_of_closed_standard_descriptors() -> None:
+    read_end, write_end = os.pipe()
+    try:
+        child = subprocess.Popen(
+            [sys.executable, "-c", RELAY_WITHOUT_STDIO, str(read_end)],
+            pass_fds=(read_end,),
+            stderr=subprocess.PIPE,
+        )
+    finally:
+        os.close(read_end)
+    with os.fdopen(write_end, "wb") as control:
+        control.write(STOP_NOT_WAITED)
+    assert child.stderr is not None
+    try:
+        assert child.stderr.read() == STOP_NOT_WAITED
+        assert child.wait(60) == 0
+    finally:
+        child.kill()
+        child.wait()
+        child.stderr.close()
 
 
 # -- process identity --------------------------------------------------------------

@@ -24,15 +24,17 @@ hookspec = pytest.hookspec
 PhaseBudgets = tuple[float | None, float | None, float | None]
 
 
-def __getattr__(name: str) -> Any:
-    """``SessionFacts``, the ``session`` argument of the hooks below, is defined in
-    :mod:`.session_facts` when first used (at the session's end): a dataclass costs
-    every session's start-up some 0.4 ms to define."""
-    if name == "SessionFacts":
-        from pytest_elastic_timer.plugin.session_facts import SessionFacts
+if not TYPE_CHECKING:  # type checkers see the import above, and no name made up
 
-        return SessionFacts
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    def __getattr__(name: str) -> Any:
+        """``SessionFacts``, the ``session`` argument of the hooks below, is defined in
+        :mod:`.session_facts` when first used (at the session's end): a dataclass costs
+        every session's start-up some 0.4 ms to define."""
+        if name == "SessionFacts":
+            from pytest_elastic_timer.plugin.session_facts import SessionFacts
+
+            return SessionFacts
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @hookspec

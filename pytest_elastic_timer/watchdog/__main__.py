@@ -1,8 +1,8 @@
 """``python -m pytest_elastic_timer.watchdog``: the session's watchdog process.
 
-pytest's control pipe is read from the process's first moment (:mod:`.control`), before
-the watchdog's modules load (:mod:`.wiring`, some 20 ms): a session that ends sooner
-than that is not held up by this process, which shares its output.
+pytest's control pipe is read (:mod:`.control`) before the watchdog's modules load
+(:mod:`.wiring`, some 20 ms): a session that ends sooner than that is not held up by
+this process, which shares its output.
 """
 
 from __future__ import annotations

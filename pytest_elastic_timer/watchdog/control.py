@@ -8,14 +8,16 @@ only once every process holding it has let go; so on a stop that pytest does not
 for, the watchdog lets go of the output at once (:func:`leave_output`).
 
 A short session says stop before its watchdog has loaded its modules: the
-:class:`StdinRelay` reads the pipe from the process's first moment, in a thread of its
-own, lets go of the output as soon as such a stop comes, and passes every byte on to
-the watchdog's loop. Only the standard library's already loaded modules are imported
-here: this module is loaded before the watchdog's own.
+:class:`StdinRelay` reads the pipe from the start of the watchdog's entry module, before
+those modules load, in a thread of its own; it lets go of the output as soon as such a
+stop comes, and passes every byte on to the watchdog's loop. This module imports only a
+few small modules of the standard library: it is loaded before the watchdog's own.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import threading
@@ -60,7 +62,13 @@ class StdinRelay:
 
     def __init__(self, fd: int = 0) -> None:
         self._fd = fd
-        self._read_end, self._write_end = os.pipe()
+        # Read blocking, whatever the descriptor's flags were (a blocking read is the
+        # thread's whole job).
+        with contextlib.suppress(OSError):
+            os.set_blocking(fd, True)
+        # Above the standard descriptors: one of them closed at start would otherwise be
+        # the relay's own pipe, read as stdin or overwritten by leave_output().
+        self._read_end, self._write_end = (_above_stdio(end) for end in os.pipe())
         self.thread = threading.Thread(target=self._run, name=RELAY_THREAD, daemon=True)
         self.thread.start()
 
@@ -85,9 +93,25 @@ class StdinRelay:
                         looking = False
                         command = stop_command(first_line.split(b"\n", 1)[0])
                         if command is not None and command.get("waited") is False:
-                            leave_output()
-                os.write(self._write_end, data)
+                            # Out of descriptors, say: the output stays held, but the
+                            # stop must still reach the loop (end-of-file without it
+                            # would read as pytest's death).
+                            with contextlib.suppress(OSError):
+                                leave_output()
+                view = memoryview(data)
+                while view:  # a write into a full pipe may be cut short by a signal
+                    view = view[os.write(self._write_end, view) :]
         except OSError:
             pass  # the loop closed its end (the watchdog is ending), or stdin went bad
         finally:
             os.close(self._write_end)
+
+
+def _above_stdio(fd: int) -> int:
+    """``fd``, or a copy of it numbered 3 or above (``fd`` closed) if it is 0, 1 or 2."""
+    if fd > 2:
+        return fd
+    try:
+        return fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 3)
+    finally:
+        os.close(fd)
