@@ -1079,6 +1079,7 @@ def pytest_unconfigure(config):
     loaded = [m for m in {FAILURE_MODULES!r} if m in sys.modules]
     print("FAILURE MODULES", " ".join(loaded))
     print("SESSION FACTS AT START", at_start)
+    print("SESSION FACTS MADE", FACTS in sys.modules)  # after the terminal summary
 """
 
 
@@ -1095,8 +1096,10 @@ def test_a_passing_session_loads_no_failure_machinery(pytester: pytest.Pytester)
     passing = run(pytester, "test_one.py", "-p", "no:fakefs", report=False, lean=False)
     passing.result.assert_outcomes(passed=1)
     assert "FAILURE MODULES " in passing.lines  # none, though the watchdog answered
-    # Nor a dataclass defined at start: the hooks' SessionFacts is made at the end.
+    # Nor a dataclass defined at start: the hooks' SessionFacts is made at the end, and
+    # only for a session with something that implements the hooks (here: nothing).
     assert "SESSION FACTS AT START [False]" in passing.lines
+    assert "SESSION FACTS MADE False" in passing.lines
     # A budget brings the slow phases' output at the end, which reads no records.
     budgeted = run(pytester, "test_one.py", "--expires=30", report=False)
     budgeted.result.assert_outcomes(passed=1)

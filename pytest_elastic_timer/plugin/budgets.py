@@ -165,6 +165,10 @@ class BudgetBook:
                 found[item.nodeid] = self.scaled(budgets)
         return found
 
+    def any_budget(self) -> bool:
+        """Whether any test of the session had a budget (a default, or its own)."""
+        return self.scaled(self.default)[1] is not None or bool(self.marked())
+
     def clear(self) -> None:
         self.by_item.clear()
         self.errors.clear()

@@ -39,7 +39,6 @@ from pytest_elastic_timer.scope import scopes
 
 if TYPE_CHECKING:
     from pytest_elastic_timer.core import records
-    from pytest_elastic_timer.plugin.session_facts import SessionFacts
 
 # The CI outputs, by the condition under which a session uses them.
 CI_SLOW = "pytest_elastic_timer.ci.slow"
@@ -241,17 +240,17 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
             )
         _restart_limit_line(terminalreporter, config, found)
     if not is_worker(config):
-        facts = lifecycle.facts_for_hooks(config, state)
-        _register_slow_if_used(config, facts)
-        config.hook.pytest_elastic_timer_terminal_summary(
-            config=config, terminalreporter=terminalreporter, records=found, session=facts
-        )
+        _register_slow_if_used(config, state)
+        summary = config.hook.pytest_elastic_timer_terminal_summary
+        if summary.get_hookimpls():
+            facts = lifecycle.facts_for_hooks(config, state)
+            summary(config=config, terminalreporter=terminalreporter, records=found, session=facts)
 
 
-def _register_slow_if_used(config: pytest.Config, facts: SessionFacts) -> None:
+def _register_slow_if_used(config: pytest.Config, state: SessionState) -> None:
     """The slow phases' output, registered at the end of a session that can have any:
     SLOW lines need a budget, the slow and slowest facts a JSON report."""
-    if facts.report or facts.budgets or facts.default_call:
+    if state.settings.report or state.budgets.any_budget():
         _register_module(config, CI_SLOW)
 
 
@@ -303,13 +302,13 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         end: dict[str, Any] = {"exitstatus": state.exitstatus}
         if state.lost_watchdog:  # this host's, or another host's, whose report this is
             end["watchdog_lost"] = state.lost_watchdog
-        facts = lifecycle.facts_for_hooks(config, state)
-        _register_slow_if_used(config, facts)
-        found = expiry_records(config)
-        for more in config.hook.pytest_elastic_timer_session_end(
-            config=config, records=found, session=facts
-        ):
-            end.update(more or {})
+        _register_slow_if_used(config, state)
+        session_end = config.hook.pytest_elastic_timer_session_end
+        if session_end.get_hookimpls():
+            found = expiry_records(config)
+            facts = lifecycle.facts_for_hooks(config, state)
+            for more in session_end(config=config, records=found, session=facts):
+                end.update(more or {})
         if not state.watchdog.alive() and state.settings.report:
             lifecycle.report_without_watchdog(config, state, end)
         lifecycle.stop_watchdog(config, state, end)
