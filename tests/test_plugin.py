@@ -1111,6 +1111,34 @@ def test_a_passing_session_loads_no_failure_machinery(pytester: pytest.Pytester)
     assert "pytest_elastic_timer.core.hostlink" not in loaded.split()
 
 
+INNER_SESSIONS = """
+import sys
+
+pytest_plugins = ["pytester"]
+EXPIRY = "pytest_elastic_timer.plugin.expiry"
+
+
+def test_inner_sessions_that_fail(pytester):
+    pytester.makepyfile(test_fails="def test_fails():\\n    assert False\\n")
+    for _ in range(2):
+        pytester.runpytest_inprocess("-p", "no:cacheprovider").assert_outcomes(failed=1)
+    # pytester dropped what an inner session imported first: still here, it was
+    # loaded by this session, once.
+    assert EXPIRY in sys.modules
+"""
+
+
+def test_a_suite_that_runs_sessions_in_process_loads_the_failure_machinery_once(
+    pytester: pytest.Pytester,
+) -> None:
+    """Each inner session with a failure would load the failed-report machinery anew
+    (pytester drops the modules an inner session imported first): a session whose
+    tests ask for pytester loads it after collection."""
+    pytester.makepyfile(test_inner=INNER_SESSIONS)
+    session = run(pytester, "-p", "pytester", report=False)
+    session.result.assert_outcomes(passed=1)
+
+
 RAISED_BEFORE_LOADING = """
 import sys
 import time

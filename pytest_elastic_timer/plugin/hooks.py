@@ -20,7 +20,14 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from pytest_elastic_timer.core import torch_hook
-from pytest_elastic_timer.plugin import hookspecs, leaks, lifecycle, real_filesystem, running
+from pytest_elastic_timer.plugin import (
+    hookspecs,
+    in_process_sessions,
+    leaks,
+    lifecycle,
+    real_filesystem,
+    running,
+)
 from pytest_elastic_timer.plugin.budgets import BudgetBook, Budgets
 from pytest_elastic_timer.plugin.fixtures import elastic_timer as elastic_timer
 from pytest_elastic_timer.plugin.fixtures import elastic_timer_server as elastic_timer_server
@@ -167,6 +174,7 @@ def pytest_collection(session: pytest.Session) -> Generator[None, None, None]:
     collected = yield
     # Test modules are imported by now, and with them any library they use.
     real_filesystem.keep_if_faked(session.items, str(session.config.rootpath))
+    in_process_sessions.load_if_tests_run_sessions(session.items)
     return collected
 
 
