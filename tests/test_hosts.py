@@ -31,7 +31,7 @@ from helpers import Session, failure_block, lead, run, scope_line
 from standin_hosts import StandInHost, fake_ssh
 
 from pytest_elastic_timer.core import hostid
-from pytest_elastic_timer.plugin import launcher
+from pytest_elastic_timer.plugin import launcher, remote_hosts
 
 HOSTS = ("host-a", "host-b")
 XDIST = (
@@ -349,6 +349,38 @@ def socket_server(
         time.sleep(0.05)
     (server,) = psutil.Process(launcher.pid).children()
     return server, f"socket=127.0.0.1:{port}//chdir={directory / 'remote'}"
+
+
+def test_the_wait_for_a_socket_server_takes_only_one_that_serves() -> None:
+    """xdist may report a worker down a moment before the socket server it ran in is
+    gone: its port still accepts connections (in the backlog) that the server, busy
+    or ending, never serves. The controller waits for one that answers."""
+    with socket.socket() as busy:  # listening, never accepting: that server's port
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(5)
+        spec = execnet.XSpec(f"socket=127.0.0.1:{busy.getsockname()[1]}")
+        started = time.monotonic()
+        remote_hosts.wait_for_socket_server(spec, started + 1.0)
+        assert time.monotonic() - started >= 1.0  # not taken: waited to the end
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, str(SOCKET_SERVER), f"127.0.0.1:{port}"], stdout=subprocess.DEVNULL
+    )
+    try:
+        spec = execnet.XSpec(f"socket=127.0.0.1:{port}")
+        started = time.monotonic()
+        remote_hosts.wait_for_socket_server(spec, started + 60.0)
+        assert time.monotonic() - started < 60.0  # came up, and answered
+        # It serves on: a worker's gateway still connects after the probes.
+        group = execnet.Group()
+        try:
+            gateway = group.makegateway(f"socket=127.0.0.1:{port}")
+            assert gateway.remote_exec("channel.send(6 * 7)").receive(timeout=30) == 42
+        finally:
+            group.terminate(timeout=10)
+    finally:
+        server.kill()
+        server.wait()
 
 
 def socket_project(pytester: pytest.Pytester, more_tests: str = "") -> Path:

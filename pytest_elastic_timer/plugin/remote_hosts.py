@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 from collections.abc import Generator
 from typing import Any
 
@@ -146,9 +145,11 @@ def fetch_from_host(spec: Any, token: str, worker: str, patience: float) -> list
 
 
 def wait_for_socket_server(spec: Any, give_up: float) -> None:
-    """For a ``socket=`` spec, wait until its port accepts (until ``give_up`` at most).
-    execnet's socket server runs a worker in its own process: the worker that was ended
-    took the server with it, and the loop the guide runs it in starts it again."""
+    """For a ``socket=`` spec, wait until a server there serves (until ``give_up`` at
+    most). execnet's socket server runs a worker in its own process: the worker that
+    was ended took the server with it, and the loop the guide runs it in starts it
+    again. xdist may report the worker down a moment before that process is gone, while
+    its port still accepts: only a server that answers is one to connect to."""
     address = getattr(spec, "socket", None)
     if not isinstance(address, str) or ":" not in address:
         return
@@ -156,16 +157,35 @@ def wait_for_socket_server(spec: Any, give_up: float) -> None:
     if not port.isdigit():
         return
     while True:
-        with socket.socket() as probe:
-            probe.settimeout(1.0)
-            try:
-                if probe.connect_ex((host or "localhost", int(port))) == 0:
-                    return
-            except (OSError, OverflowError):  # no such host, or port: nothing to wait for
+        try:
+            if _serves(host or "localhost", int(port), give_up):
                 return
+        except (OSError, OverflowError):  # no such host, or port: nothing to wait for
+            return
         if unpatched.monotonic() >= give_up:
             return
         unpatched.sleep(0.1)
+
+
+# What the probe gives execnet's socket server to run: it reads one line, evaluates it
+# as the source to execute, and runs nothing for None, then closes the connection.
+_NOTHING_TO_RUN = b"None\n"
+
+
+def _serves(host: str, port: int, give_up: float) -> bool:
+    """Whether execnet's socket server at ``host:port`` reads and answers a line now:
+    the end of the connection after :data:`_NOTHING_TO_RUN`. A server still busy with
+    the worker it ran never reads it (until ``give_up`` at most), and one that is
+    ending resets the connection. Raises OSError for an address that cannot be."""
+    with unpatched.Socket() as probe:
+        probe.settimeout(max(0.1, min(1.0, give_up - unpatched.monotonic())))
+        if probe.connect_ex((host, port)) != 0:
+            return False
+        try:
+            probe.sendall(_NOTHING_TO_RUN)
+            return probe.recv(1) == b""
+        except OSError:  # reset, or no answer in time
+            return False
 
 
 def maybe_remote(spec: Any) -> bool:
