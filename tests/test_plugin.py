@@ -1083,9 +1083,12 @@ def pytest_unconfigure(config):
 """
 
 
-def test_a_passing_session_loads_no_failure_machinery(pytester: pytest.Pytester) -> None:
+def test_a_passing_session_loads_no_failure_machinery(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # The modules that read records and make failed reports load with the first
     # failure or expiry, and the xdist ones only where xdist runs the tests.
+    monkeypatch.delenv("GITHUB_ACTIONS", raising=False)  # its output implements hooks
     pytester.makeconftest(FAILURE_MODULES_CONFTEST)
     pytester.makepyfile(
         test_one="import time\n\ndef test_one():\n    time.sleep(0.3)\n",

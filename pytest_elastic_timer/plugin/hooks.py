@@ -173,8 +173,9 @@ def pytest_collection(session: pytest.Session) -> Generator[None, None, None]:
     scopes.process_state().set_phase("collection")
     collected = yield
     # Test modules are imported by now, and with them any library they use.
+    # Loaded first, they are among what is kept from pyfakefs where it is used.
+    in_process_sessions.load_if_tests_run_sessions(session.config, session.items)
     real_filesystem.keep_if_faked(session.items, str(session.config.rootpath))
-    in_process_sessions.load_if_tests_run_sessions(session.items)
     return collected
 
 

@@ -16,7 +16,10 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterable
 
+import pytest
+
 FIXTURES = frozenset({"pytester", "testdir"})
+PLUGIN_NAMES = ("pytester", "_pytest.pytester")  # as -p or pytest_plugins name it
 LOADED_BY_INNER_SESSIONS = (
     "pytest_elastic_timer.plugin.expiry",
     "pytest_elastic_timer.core.collectives",
@@ -25,9 +28,12 @@ LOADED_BY_INNER_SESSIONS = (
 )
 
 
-def load_if_tests_run_sessions(items: Iterable[object]) -> None:
+def load_if_tests_run_sessions(config: pytest.Config, items: Iterable[object]) -> None:
     """If any of ``items`` (the collected tests) asks for pytester, import now what
     inner sessions would each import again."""
+    manager = config.pluginmanager
+    if not any(manager.has_plugin(name) for name in PLUGIN_NAMES):
+        return  # no test can ask for it: the items are not looked at
     if any(not FIXTURES.isdisjoint(getattr(item, "fixturenames", ())) for item in items):
         for name in LOADED_BY_INNER_SESSIONS:
             importlib.import_module(name)
