@@ -76,12 +76,6 @@ class StdinRelay:
         """The read end of the relay's pipe."""
         return self._read_end
 
-    def close(self) -> None:
-        """Close the read end (the thread ends at its next write, or with the process)."""
-        if self._read_end >= 0:
-            os.close(self._read_end)
-            self._read_end = -1
-
     def _run(self) -> None:
         first_line = b""
         looking = True  # pytest says one command; only the first line is looked at
@@ -102,7 +96,7 @@ class StdinRelay:
                 while view:  # a write into a full pipe may be cut short by a signal
                     view = view[os.write(self._write_end, view) :]
         except OSError:
-            pass  # the loop closed its end (the watchdog is ending), or stdin went bad
+            pass  # stdin went bad: its end-of-file, as far as the loop can tell
         finally:
             os.close(self._write_end)
 
