@@ -165,9 +165,13 @@ class BudgetBook:
                 found[item.nodeid] = self.scaled(budgets)
         return found
 
+    def default_call(self) -> float | None:
+        """The scaled call budget of a test without a marker (None = unbounded)."""
+        return self.scaled(self.default)[1]
+
     def any_budget(self) -> bool:
         """Whether any test of the session had a budget (a default, or its own)."""
-        return self.scaled(self.default)[1] is not None or bool(self.marked())
+        return self.default_call() is not None or bool(self.marked())
 
     def clear(self) -> None:
         self.by_item.clear()

@@ -238,14 +238,13 @@ def facts_for_hooks(config: pytest.Config, state: SessionState) -> SessionFacts:
 
     settings = state.settings
     book = state.budgets
-    default_call = book.scaled(book.default)[1]
     return SessionFacts(
         pid=unpatched.getpid(),
         args=list(config.invocation_params.args),
         started=state.started,
         rootdir=str(config.rootpath),
         scale=settings.scale,
-        default_call=default_call,
+        default_call=book.default_call(),
         report=settings.report,
         trace=settings.trace,
         slow=settings.slow,
