@@ -23,7 +23,8 @@ A second pair does the same for an inner session started in-process by ``pyteste
 of ``pytester.runpytest`` of a one-test file, measured inside one outer test, with the
 plugin loaded in the inner session or not. The outer session loads the plugin, as it
 does where the plugin is installed, so the inner sessions pay its work, not its
-imports.
+imports. Beside the wall clock, the CPU time of the whole machine during each inner
+session: a watchdog, were one started, would run in a process of its own.
 """
 
 from __future__ import annotations
@@ -42,11 +43,19 @@ import common
 TEST = "def test_one():\n    assert True\n"
 
 INNER = """
+import os
 import time
 
 import pytest
 
 pytest_plugins = ["pytester"]
+
+
+def machine_cpu():
+    # Busy CPU seconds of the whole machine: a watchdog runs in a process of its own.
+    with open("/proc/stat", encoding="ascii") as f:
+        ticks = [int(n) for n in f.readline().split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
 @pytest.mark.parametrize("plugin", ["plain", "elastic_timer"] * __ROUNDS__)
@@ -55,12 +64,14 @@ def test_inner_session(pytester, plugin, record_property):
     args = ["-p", "xdist", "-q", "-p", "no:cacheprovider"]
     if plugin == "elastic_timer":
         args += ["-p", "elastic_timer"]
+    cpu = machine_cpu()
     start = time.perf_counter()
     result = pytester.runpytest_inprocess(*args)
     elapsed = time.perf_counter() - start
+    cpu = machine_cpu() - cpu
     assert result.ret == 0
     with open(__OUT__, "a", encoding="utf-8") as f:
-        f.write(f"{plugin} {elapsed}\\n")
+        f.write(f"{plugin} {elapsed} {cpu}\\n")
 """
 
 
@@ -162,11 +173,19 @@ def inner_sessions(rounds: int) -> dict[str, Any]:
         argv += ["-p", "elastic_timer", "-p", "no:cacheprovider", "test_inner.py"]
         _time(argv, env, directory)
         times: dict[str, list[float]] = {"plain": [], "plugin": []}
+        cpu: dict[str, float] = {"plain": 0.0, "plugin": 0.0}
         with open(out, encoding="utf-8") as f:
             for line in f:
-                name, seconds = line.split()
-                times["plugin" if name == "elastic_timer" else "plain"].append(float(seconds))
-    return _summary(times)
+                name, seconds, busy = line.split()
+                variant = "plugin" if name == "elastic_timer" else "plain"
+                times[variant].append(float(seconds))
+                cpu[variant] += float(busy)
+    # The CPU as a mean over the runs: /proc/stat counts in ticks of 10 ms.
+    return {
+        **_summary(times),
+        "plain_cpu_ms": cpu["plain"] / len(times["plain"]) * 1e3,
+        "plugin_cpu_ms": cpu["plugin"] / len(times["plugin"]) * 1e3,
+    }
 
 
 def _summary(times: dict[str, list[float]]) -> dict[str, Any]:
@@ -233,6 +252,13 @@ def render(result: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
                 f"| {what} | {r['runs']} | {r['plain_ms']:.0f} | {r['plugin_ms']:.0f} "
                 f"| {r['ratio']:.2f}x |"
             )
+            if "plugin_cpu_ms" in r:
+                lines.append(
+                    f"| … its CPU time, every process of the machine (mean; "
+                    f"a watchdog runs in a process of its own) | {r['runs']} "
+                    f"| {r['plain_cpu_ms']:.0f} | {r['plugin_cpu_ms']:.0f} "
+                    f"| {r['plugin_cpu_ms'] / r['plain_cpu_ms']:.2f}x |"
+                )
             if "used_ms" in r:
                 lines.append(
                     f"| … with `{' '.join(USED)}`: the session uses the plugin (phase scopes, "

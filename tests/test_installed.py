@@ -505,9 +505,11 @@ INNER = """
 import subprocess
 import sys
 
+import pytest
 import pytest_elastic_timer as et
 
 
+@pytest.mark.expires(30)
 def test_inner_leaves_a_process():
     subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     with et.expires(30, scope="inner"):
@@ -557,9 +559,9 @@ def test_nothing_goes_through_names_a_test_may_patch(
     socket.socket, its connect and socket.socketpair (as pytest-socket replaces them),
     open, json.dumps and json.loads, threading.Thread, threading.Timer,
     threading.get_ident and uuid.uuid4, replaced for a whole session (scopes, an expiry
-    caught and one that fails its test, a leftover process the plugin ends, a nested session that
-    starts and stops its own watchdog, xdist), are never called by the plugin in a
-    test's process."""
+    caught and one that fails its test, a leftover process the plugin ends, a nested
+    session that starts its own watchdog for its test's budget and stops it, xdist), are
+    never called by the plugin in a test's process."""
     calls = pytester.path / "calls.txt"
     monkeypatch.setenv("PATCHED_CALLS", str(calls))
     pytester.makeconftest(PATCHING_CONFTEST)
@@ -669,6 +671,117 @@ def test_only_the_outermost_session_ends_with_its_process(pytester: pytest.Pytes
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-s")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["ends with its process: True"])
+
+
+ON_DEMAND_OUTER = '''
+import os
+
+import psutil
+
+pytest_plugins = ["pytester"]
+
+INNER_PLAIN = """
+import os
+import subprocess
+import sys
+
+import pytest
+import pytest_elastic_timer as et
+
+CHILD = (
+    "import pytest_elastic_timer as et\\\\n"
+    "try:\\\\n"
+    "    with et.expires(0.05, scope='child'):\\\\n"
+    "        while True:\\\\n"
+    "            pass\\\\n"
+    "except et.ScopeExpired:\\\\n"
+    "    raise SystemExit(3)\\\\n"
+)
+
+
+def test_sees_no_watchdog():
+    assert "PYTEST_ELASTIC_TIMER" not in os.environ
+
+
+def test_a_scope_is_enforced_in_process():
+    with pytest.raises(et.ScopeExpired):
+        with et.expires(0.05, scope="in-process"):
+            while True:
+                pass
+
+
+def test_a_child_enforces_its_scopes_itself():
+    assert subprocess.run([sys.executable, "-c", CHILD]).returncode == 3
+"""
+
+INNER_BUDGET = """
+import pytest
+
+
+@pytest.mark.expires(0.3)
+def test_overruns():
+    while True:
+        pass
+"""
+
+INNER_FIXTURE = """
+def test_asks_for_the_watchdog(elastic_timer_server):
+    print("inner watchdog", elastic_timer_server.pid, elastic_timer_server.address)
+"""
+
+
+def run_inner(pytester, source):
+    pytester.makepyfile(test_inner=source)
+    return pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:asyncio", "-s")
+
+
+def test_a_session_that_needs_nothing_starts_no_watchdog(pytester):
+    outer = os.environ["PYTEST_ELASTIC_TIMER"]
+    before = set(psutil.Process().children(recursive=True))
+    result = run_inner(pytester, INNER_PLAIN)
+    result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines(["elastic-timer: watchdog when a test needs one, *"])
+    assert os.environ["PYTEST_ELASTIC_TIMER"] == outer
+    assert set(psutil.Process().children(recursive=True)) <= before
+
+
+def test_a_budget_starts_the_sessions_own_watchdog(pytester):
+    outer = os.environ["PYTEST_ELASTIC_TIMER"]
+    result = run_inner(pytester, INNER_BUDGET)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*scope 'test_overruns::call' expired after*"])
+    assert os.environ["PYTEST_ELASTIC_TIMER"] == outer
+
+
+def test_a_fixture_of_the_plugin_starts_it(pytester, elastic_timer_server):
+    result = run_inner(pytester, INNER_FIXTURE)
+    result.assert_outcomes(passed=1)
+    (line,) = [text for text in result.stdout.lines if "inner watchdog " in text]
+    pid, address = line.split("inner watchdog ", 1)[1].split()
+    assert int(pid) not in (0, elastic_timer_server.pid)
+    assert address != elastic_timer_server.address
+    assert not psutil.pid_exists(int(pid)) or psutil.Process(int(pid)).status() == "zombie"
+'''
+
+
+def test_a_session_run_in_process_starts_its_watchdog_when_a_test_needs_one(
+    pytester: pytest.Pytester,
+) -> None:
+    """A session that a test runs in-process, with no option of the plugin, starts no
+    watchdog while none of its tests has a budget or asks for a fixture of the plugin:
+    its scopes and its children's are enforced in-process, and none reaches the outer
+    session's watchdog. A budget, or the fixture, starts the session's own."""
+    report = pytester.path / "outer.json"
+    pytester.makepyfile(test_outer=ON_DEMAND_OUTER)
+    before = set(psutil.Process().children(recursive=True))
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-p", "no:asyncio", f"--elastic-timer-report={report}"
+    )
+    result.assert_outcomes(passed=3)
+    expired = json.loads(report.read_text(encoding="utf-8"))["expired"]
+    assert expired == [], [record["scope"] for record in expired]
+    started = set(psutil.Process().children(recursive=True)) - before
+    assert all(wait_gone(p.pid, 5.0) for p in started), started
 
 
 # Another plugin's suite builds nodes with pytester's helpers, which run a session's

@@ -104,7 +104,14 @@ def pytest_configure(config: pytest.Config) -> None:
         scopes.process_state().set_nodeid("")
         return  # an xdist worker: the controller's watchdog serves it
     _register_ci_outputs(config, state)
-    lifecycle.start_watchdog(config, state)
+    if lifecycle.starts_watchdog_at_once(config, state):
+        lifecycle.start_watchdog(config, state)
+        _after_watchdog_start(state)
+    else:
+        lifecycle.defer_watchdog(config, state)
+
+
+def _after_watchdog_start(state: SessionState) -> None:
     if state.watchdog is not None:
         scopes.process_state().set_nodeid("")  # register now; not the outer session's test
         torch_hook.watch()  # torch.distributed's ops in this process are recorded too
@@ -148,7 +155,12 @@ def _register_module(config: pytest.Config, name: str) -> None:
 def pytest_report_header(config: pytest.Config) -> str:
     state = config.stash[SESSION]
     s = state.settings
-    dog = f"watchdog pid {state.watchdog.pid}" if state.watchdog else "no watchdog"
+    if state.watchdog is not None:
+        dog = f"watchdog pid {state.watchdog.pid}"
+    elif state.watchdog_on_demand:
+        dog = "watchdog when a test needs one"
+    else:
+        dog = "no watchdog"
     default = f"{s.expires:g}s" if s.expires else "none"
     return f"elastic-timer: {dog}, default budget {default}, grace {s.grace:g}s, scale {s.scale:g}"
 
@@ -175,6 +187,11 @@ def pytest_collection(session: pytest.Session) -> Generator[None, None, None]:
     # Test modules are imported by now, and with them any library they use.
     # Loaded first, they are among what is kept from pyfakefs where it is used.
     in_process_sessions.load_if_tests_run_sessions(session.config, session.items)
+    state = session.config.stash[SESSION]
+    if lifecycle.start_watchdog_if_needed(session.config, state, session.items):
+        _after_watchdog_start(state)
+        scopes.process_state().set_phase("collection")
+        state.torch_timer_file = TorchTimerFile.of_session()
     real_filesystem.keep_if_faked(session.items, str(session.config.rootpath))
     return collected
 

@@ -18,6 +18,8 @@ from collections.abc import Iterable
 
 import pytest
 
+from pytest_elastic_timer.plugin.state import any_item_asks_for
+
 FIXTURES = frozenset({"pytester", "testdir"})
 PLUGIN_NAMES = ("pytester", "_pytest.pytester")  # as -p or pytest_plugins name it
 LOADED_BY_INNER_SESSIONS = (
@@ -34,6 +36,6 @@ def load_if_tests_run_sessions(config: pytest.Config, items: Iterable[object]) -
     manager = config.pluginmanager
     if not any(manager.has_plugin(name) for name in PLUGIN_NAMES):
         return  # no test can ask for it: the items are not looked at
-    if any(not FIXTURES.isdisjoint(getattr(item, "fixturenames", ())) for item in items):
+    if any_item_asks_for(items, FIXTURES):
         for name in LOADED_BY_INNER_SESSIONS:
             importlib.import_module(name)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from collections.abc import Iterable
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +18,7 @@ from pytest_elastic_timer.plugin import launcher, leaks
 from pytest_elastic_timer.plugin.state import (
     SESSION,
     SessionState,
+    any_item_asks_for,
     is_worker,
     uses_xdist,
     worker_id,
@@ -72,23 +74,90 @@ def start_watchdog(config: pytest.Config, state: SessionState) -> None:
         )
         return
     state.watchdog = handle
-    python_path = startup.python_path(os.environ.get("PYTHONPATH"))
-    for name, value in (
-        (client.ENV_ADDRESS, handle.address),
-        (client.ENV_SCALE, repr(settings.scale)),
-        (client.ENV_TRACE, "1" if settings.trace else None),
-        (startup.ENV_DUMP_SIGNAL, str(startup.session_dump_signal())),
-        (startup.ENV_TORCH_TIMER_FILE, os.path.join(handle.directory, startup.TORCH_TIMER_FIFO)),
-        ("PYTHONPATH", python_path),
-    ):
-        state.previous_env[name] = os.environ.get(name)
-        if value is None:
-            os.environ.pop(name, None)  # not inherited from an outer session either
-        else:
-            os.environ[name] = value
+    _export(
+        state,
+        {
+            client.ENV_ADDRESS: handle.address,
+            client.ENV_SCALE: repr(settings.scale),
+            client.ENV_TRACE: "1" if settings.trace else None,
+            startup.ENV_DUMP_SIGNAL: str(startup.session_dump_signal()),
+            startup.ENV_TORCH_TIMER_FILE: os.path.join(handle.directory, startup.TORCH_TIMER_FIFO),
+            "PYTHONPATH": startup.python_path(os.environ.get("PYTHONPATH")),
+        },
+    )
     state.put_back_scopes = scopes.set_aside()
     # Connect now; the answer to our hello is not waited for (see ProcessState).
     scopes.process_state().welcome_in_background = True
+
+
+def _export(state: SessionState, values: dict[str, str | None]) -> None:
+    """Set the session's environment (None: unset, not inherited from an outer session
+    either); :func:`restore_environment` puts back what each name was before the
+    session first set it."""
+    for name, value in values.items():
+        state.previous_env.setdefault(name, os.environ.get(name))
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+def starts_watchdog_at_once(config: pytest.Config, state: SessionState) -> bool:
+    """Whether the session starts its watchdog at configure.
+
+    The command line's session does, always: any test may start a process that enters
+    scopes. A session that a test runs in-process (pytester, ``pytest.main``) does only
+    where an option or ini value of the plugin is given, or it starts xdist workers;
+    otherwise :func:`defer_watchdog`. Another plugin's test suite runs thousands of
+    such sessions, most of which use nothing of this plugin, and a watchdog costs a
+    Python process's start: more CPU than such a session's own run."""
+    return state.ends_with_its_process or state.used or uses_xdist(config)
+
+
+def defer_watchdog(config: pytest.Config, state: SessionState) -> None:
+    """Leave the watchdog of a session run in-process by a test (see
+    :func:`starts_watchdog_at_once`) to :func:`start_watchdog_if_needed`.
+
+    Until it starts, the session is on its own: its scopes, and those of the processes
+    its tests start, are enforced in-process (the environment names no watchdog, not
+    even an outer session's, whose records they must not join)."""
+    state.watchdog_on_demand = True
+    _export(
+        state,
+        {
+            client.ENV_ADDRESS: None,
+            client.ENV_SCALE: repr(state.settings.scale),
+            client.ENV_TRACE: None,
+            startup.ENV_DUMP_SIGNAL: None,
+            startup.ENV_TORCH_TIMER_FILE: None,
+        },
+    )
+    state.put_back_scopes = scopes.set_aside()
+
+
+# What a test asks for when it asks for the session's watchdog.
+WATCHDOG_FIXTURES = frozenset({"elastic_timer", "elastic_timer_server"})
+
+
+def start_watchdog_if_needed(
+    config: pytest.Config, state: SessionState, items: Iterable[object]
+) -> bool:
+    """After collection, for a session whose watchdog waits for a need: start it if
+    a collected test has a budget or asks for a fixture of the plugin. True if it
+    started."""
+    if not state.watchdog_on_demand:
+        return False
+    if not state.budgets.any_budget() and not any_item_asks_for(items, WATCHDOG_FIXTURES):
+        return False
+    state.watchdog_on_demand = False
+    state.put_back_scopes()  # the in-process state of collection, for a connected one
+    state.put_back_scopes = _nothing
+    start_watchdog(config, state)
+    return state.watchdog is not None
+
+
+def _nothing() -> None:
+    pass
 
 
 def stop_watchdog(config: pytest.Config, state: SessionState, end: dict[str, Any]) -> None:

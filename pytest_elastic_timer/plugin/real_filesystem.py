@@ -29,6 +29,8 @@ import sys
 from collections.abc import Iterable
 from types import ModuleType
 
+from pytest_elastic_timer.plugin.state import any_item_asks_for
+
 PATCHER_MODULE = "pyfakefs.fake_filesystem_unittest"
 # What a test's process loads on first use, after collection: an expiry's report, the
 # leftover-process check, the synchronization primitives and torch's timer client.
@@ -56,7 +58,7 @@ def keep_if_faked(items: Iterable[object], rootdir: str) -> None:
     skipped = getattr(patcher, "SKIPMODULES", None)
     if not isinstance(skipped, set):
         return
-    asked = any(not FIXTURES.isdisjoint(getattr(item, "fixturenames", ())) for item in items)
+    asked = any_item_asks_for(items, FIXTURES)
     if not asked and not _named_in_project(rootdir):
         return
     for name in LOADED_ON_FIRST_USE:

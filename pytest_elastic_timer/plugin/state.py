@@ -4,7 +4,7 @@ derived from it that several parts of the plugin read."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import pytest
@@ -42,6 +42,9 @@ class SessionState:
         # The command line's own session: its process ends with it (see lifecycle).
         self.ends_with_its_process = ends_with_its_process
         self.watchdog: launcher.WatchdogHandle | None = None
+        # A session run in-process by a test whose watchdog is to start only once a
+        # test needs it (see lifecycle.defer_watchdog); False once it started.
+        self.watchdog_on_demand = False
         self.previous_env: dict[str, str | None] = {}
         self.children_before: set[int] = set()  # this process's, at start
         self.session_scope: TimerRequest | None = None
@@ -154,6 +157,11 @@ def worker_id(config: pytest.Config) -> str:
     return str(workerinput.get("workerid", "")) if isinstance(workerinput, dict) else ""
 
 
+def any_item_asks_for(items: Iterable[object], fixtures: frozenset[str]) -> bool:
+    """Whether any of ``items`` (collected tests) asks for one of ``fixtures``."""
+    return any(not fixtures.isdisjoint(getattr(item, "fixturenames", ())) for item in items)
+
+
 def uses_xdist(config: pytest.Config) -> bool:
     """Whether this process is an xdist controller (its tests run in workers)."""
     return config.pluginmanager.hasplugin("dsession")
@@ -166,6 +174,8 @@ def session_directory(config: pytest.Config) -> str:
         return ""
     if state.watchdog is not None:
         return state.watchdog.directory
+    if state.watchdog_on_demand:
+        return ""  # none yet; the process's connection may be an outer session's
     process = scopes.current_state()
     if process is not None and process.sock is not None and process.address:
         return os.path.dirname(process.address)
@@ -207,6 +217,8 @@ def expiry_records(config: pytest.Config) -> list[records.ExpiryRecord]:
     state = config.stash.get(SESSION, None)
     if state is None:
         return []
+    if state.watchdog_on_demand:
+        return []  # none started: the process's connection may be an outer session's
     process = scopes.process_state()
     if state.watchdog is not None:
         path = state.watchdog.records_path
