@@ -173,6 +173,13 @@ class BudgetBook:
         """Whether any test of the session had a budget (a default, or its own)."""
         return self.default_call() is not None or bool(self.marked())
 
+    def any_budget_among(self, items: Iterable[pytest.Item]) -> bool:
+        """Whether any of ``items`` has a budget (a default, or its own marker's)."""
+        if self.default_call() is not None:
+            return True
+        default, by_item = self.default, self.by_item
+        return any(by_item.get(item, default) is not default for item in items)
+
     def clear(self) -> None:
         self.by_item.clear()
         self.errors.clear()

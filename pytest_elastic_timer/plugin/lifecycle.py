@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from collections.abc import Iterable
+from collections.abc import Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -72,6 +72,8 @@ def start_watchdog(config: pytest.Config, state: SessionState) -> None:
             ),
             stacklevel=2,
         )
+        if not state.ends_with_its_process:
+            _on_its_own(state)  # not on the outer session's watchdog either
         return
     state.watchdog = handle
     _export(
@@ -111,7 +113,9 @@ def starts_watchdog_at_once(config: pytest.Config, state: SessionState) -> bool:
     otherwise :func:`defer_watchdog`. Another plugin's test suite runs thousands of
     such sessions, most of which use nothing of this plugin, and a watchdog costs a
     Python process's start: more CPU than such a session's own run."""
-    return state.ends_with_its_process or state.used or uses_xdist(config)
+    # xdist registers its controller (uses_xdist) after this plugin's configure.
+    starts_workers = config.getoption("dist", "no") not in ("no", None)
+    return state.ends_with_its_process or state.used or starts_workers or uses_xdist(config)
 
 
 def defer_watchdog(config: pytest.Config, state: SessionState) -> None:
@@ -122,6 +126,13 @@ def defer_watchdog(config: pytest.Config, state: SessionState) -> None:
     its tests start, are enforced in-process (the environment names no watchdog, not
     even an outer session's, whose records they must not join)."""
     state.watchdog_on_demand = True
+    _on_its_own(state)
+
+
+def _on_its_own(state: SessionState) -> None:
+    """A session run in-process with no watchdog of its own (not yet, or one that
+    could not start): the environment names none, and the process's scope state is
+    set aside, as for a watchdog of its own."""
     _export(
         state,
         {
@@ -133,6 +144,8 @@ def defer_watchdog(config: pytest.Config, state: SessionState) -> None:
         },
     )
     state.put_back_scopes = scopes.set_aside()
+    if scopes.current_state() is None:  # set aside: not the outer session's test
+        scopes.process_state().set_nodeid("")
 
 
 # What a test asks for when it asks for the session's watchdog.
@@ -140,18 +153,21 @@ WATCHDOG_FIXTURES = frozenset({"elastic_timer", "elastic_timer_server"})
 
 
 def start_watchdog_if_needed(
-    config: pytest.Config, state: SessionState, items: Iterable[object]
+    config: pytest.Config, state: SessionState, items: Sequence[pytest.Item]
 ) -> bool:
     """After collection, for a session whose watchdog waits for a need: start it if
-    a collected test has a budget or asks for a fixture of the plugin. True if it
-    started."""
-    if not state.watchdog_on_demand:
+    a test to run (``items``, the selected ones) has a budget or asks for a fixture of
+    the plugin by its arguments. True if it started; one that cannot start leaves the
+    session on its own, with a warning."""
+    if not state.watchdog_on_demand or config.getoption("collectonly", False):
         return False
-    if not state.budgets.any_budget() and not any_item_asks_for(items, WATCHDOG_FIXTURES):
+    if not state.budgets.any_budget_among(items) and not any_item_asks_for(
+        items, WATCHDOG_FIXTURES
+    ):
         return False
     state.watchdog_on_demand = False
-    state.put_back_scopes()  # the in-process state of collection, for a connected one
-    state.put_back_scopes = _nothing
+    put_back, state.put_back_scopes = state.put_back_scopes, _nothing
+    put_back()  # the in-process state of collection, for a connected one
     start_watchdog(config, state)
     return state.watchdog is not None
 
