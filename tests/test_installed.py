@@ -643,7 +643,7 @@ from pytest_elastic_timer.plugin import lifecycle
 
 
 def pytest_configure(config):
-    print(f"ends with its process: {lifecycle.ends_with_its_process()}")
+    print(f"ends with its process: {lifecycle.ends_with_its_process(config)}")
 """
 
 RUNS_AN_INNER_SESSION = """
@@ -660,17 +660,25 @@ def test_inner(pytester):
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-s")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["ends with its process: False"])
+
+
+def test_a_helper(pytester, capsys):
+    pytester.makeconftest((pathlib.Path(__file__).parent / "conftest.py").read_text())
+    capsys.readouterr()
+    pytester.parseconfigure()
+    assert capsys.readouterr().out == "ends with its process: False\\n"
 """
 
 
 def test_only_the_outermost_session_ends_with_its_process(pytester: pytest.Pytester) -> None:
     """The command line's session need not wait for its watchdog's end (the process
-    exits); a session run in-process by a test waits, to leave no child behind."""
+    exits); a session run in-process by a test waits, to leave no child behind, and so
+    does pytester's parseconfigure(), which configures pytest without a session."""
     pytester.makeconftest(SESSION_COUNTING_CONFTEST)
     pytester.makepyfile(test_outer=RUNS_AN_INNER_SESSION)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-s")
-    result.assert_outcomes(passed=1)
-    result.stdout.fnmatch_lines(["ends with its process: True"])
+    result.assert_outcomes(passed=2)
+    assert result.stdout.str().count("ends with its process: True") == 1
 
 
 ON_DEMAND_OUTER = '''

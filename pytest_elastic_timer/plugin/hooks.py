@@ -77,7 +77,7 @@ def pytest_configure(config: pytest.Config) -> None:
         settings,
         book,
         rootdir=str(config.rootpath),
-        ends_with_its_process=lifecycle.ends_with_its_process(),
+        ends_with_its_process=lifecycle.ends_with_its_process(config),
     )
     config.stash[SESSION] = state
     if config.getoption("help", False) or config.getoption("markers", False):

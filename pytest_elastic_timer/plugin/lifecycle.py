@@ -206,21 +206,24 @@ def _not_up_and_alone(state: SessionState) -> bool:
     return started <= {state.watchdog.pid}
 
 
-def ends_with_its_process() -> bool:
-    """Whether this session is the only one on the stack, so its process is not a
-    session's that goes on after it (pytester's in-process runs, ``pytest.main`` in a
-    test): that one is left as this session found it, with no child to reap later.
+def ends_with_its_process(config: pytest.Config) -> bool:
+    """Whether ``config``'s session is the command line's own, the only one on the
+    stack, so its process is not a session's that goes on after it (pytester's
+    in-process runs, ``pytest.main`` in a test, and pytester's ``getitem()``,
+    ``parseconfigure()`` and the like, which configure pytest without a session): that
+    one is left as this session found it, with no child to reap later.
 
-    Sessions are counted by pytest's own ``wrap_session`` frames: every way to start a
-    session in-process passes through it, on every pytest this plugin supports."""
+    Sessions are pytest's own ``wrap_session`` frames: every way to start a session
+    in-process passes through it, on every pytest this plugin supports, and its
+    ``config`` says whose it is."""
     frame: FrameType | None = sys._getframe(1)
-    sessions = 0
+    sessions: list[FrameType] = []
     while frame is not None:
         code = frame.f_code
         if code.co_name == "wrap_session" and code.co_filename.endswith(_PYTEST_MAIN):
-            sessions += 1
+            sessions.append(frame)
         frame = frame.f_back
-    return sessions <= 1
+    return len(sessions) == 1 and sessions[0].f_locals.get("config") is config
 
 
 _PYTEST_MAIN = os.path.join("_pytest", "main.py")
