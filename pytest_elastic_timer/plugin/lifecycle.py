@@ -223,6 +223,8 @@ def ends_with_its_process(config: pytest.Config) -> bool:
         if code.co_name == "wrap_session" and code.co_filename.endswith(_PYTEST_MAIN):
             sessions.append(frame)
         frame = frame.f_back
+    if not sessions:  # configured with no session at all, not inside one either
+        return True
     return len(sessions) == 1 and sessions[0].f_locals.get("config") is config
 
 
