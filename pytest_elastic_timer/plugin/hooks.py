@@ -108,7 +108,7 @@ def pytest_configure(config: pytest.Config) -> None:
         lifecycle.start_watchdog(config, state)
         _after_watchdog_start(state)
     else:
-        lifecycle.defer_watchdog(config, state)
+        lifecycle.defer_watchdog(state)
 
 
 def _after_watchdog_start(state: SessionState) -> None:

@@ -118,7 +118,7 @@ def starts_watchdog_at_once(config: pytest.Config, state: SessionState) -> bool:
     return state.ends_with_its_process or state.used or starts_workers or uses_xdist(config)
 
 
-def defer_watchdog(config: pytest.Config, state: SessionState) -> None:
+def defer_watchdog(state: SessionState) -> None:
     """Leave the watchdog of a session run in-process by a test (see
     :func:`starts_watchdog_at_once`) to :func:`start_watchdog_if_needed`.
 
@@ -167,7 +167,7 @@ def start_watchdog_if_needed(
         return False
     state.watchdog_on_demand = False
     put_back, state.put_back_scopes = state.put_back_scopes, _nothing
-    put_back()  # the in-process state of collection, for a connected one
+    put_back()  # closes the in-process state of collection; a connected one follows
     start_watchdog(config, state)
     return state.watchdog is not None
 
