@@ -115,6 +115,8 @@ def stuck_ranks(body: str) -> str:
 HEADER = re.compile(
     r"^elastic-timer: watchdog pid (\d+), default budget (\S+), grace (\S+), scale (\S+)$"
 )
+# The line xdist puts first in a worker's failure section.
+WORKER_LINE = re.compile(r"^\[gw\d+\] \S+ -- Python ")
 REPORT_NAME = "elastic-report.json"
 CONTRACT_FIELDS = (
     "nodeid",
@@ -181,12 +183,16 @@ class Session:
         return found[0]
 
     def failure_lead(self, name: str) -> str:
-        """The first line of the failure (or error) section of test ``name``."""
+        """The first line of the failure (or error) section of test ``name`` (after
+        the ``[gw0] linux -- Python ...`` line that xdist puts first)."""
         pattern = re.compile(rf"^_+ (ERROR at \w+ of )?{re.escape(name)} _+$")
         lines = self.stdout.splitlines()
         for index, line in enumerate(lines):
             if pattern.match(line):
-                return next((s for s in lines[index + 1 :] if s.strip()), "")
+                return next(
+                    (s for s in lines[index + 1 :] if s.strip() and not WORKER_LINE.match(s)),
+                    "",
+                )
         raise AssertionError(f"no failure section for {name!r} in:\n{self.stdout}")
 
     def assert_expired(self, test: str, scope: str, budget: float) -> dict[str, Any]:

@@ -952,6 +952,61 @@ def test_parent_markers_and_the_default_budget_reach_every_test(
         assert record["line"] > 0
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_markers_added_while_collection_ends_set_budgets(
+    pytester: pytest.Pytester, workers: int
+) -> None:
+    """Markers that a conftest adds in ``pytest_collection_modifyitems`` count: on a
+    test, on its module (read by every test of it), a bad one (that test's error), and
+    one on a test deselected afterwards (nothing)."""
+    pytester.makeconftest(
+        """
+        import pytest
+
+        def pytest_collection_modifyitems(config, items):
+            for item in items:
+                if item.name == "test_added":
+                    item.add_marker(pytest.mark.expires(0.4))
+                elif item.name == "test_bad":
+                    item.add_marker(pytest.mark.expires("soon"))
+                elif item.name == "test_first_of_module":
+                    item.parent.add_marker(pytest.mark.expires(0.5))
+            items[:] = [item for item in items if item.name != "test_deselected"]
+        """
+    )
+    pytester.makepyfile(
+        test_added="""
+        import time
+
+        def test_added():
+            time.sleep(30)
+
+        def test_bad():
+            pass
+
+        def test_deselected():
+            pass
+        """,
+        test_module="""
+        import time
+
+        def test_first_of_module():
+            time.sleep(30)
+
+        def test_second_of_module():
+            time.sleep(30)
+        """,
+    )
+    xdist = ["-p", "xdist", "-n", str(workers)] if workers else []
+    session = run(pytester, *xdist)
+    session.assert_clean()
+    session.result.assert_outcomes(failed=3, errors=1)
+    session.assert_expired("test_added", "test_added::call", 0.4)
+    session.assert_expired("test_first_of_module", "test_first_of_module::call", 0.5)
+    session.assert_expired("test_second_of_module", "test_second_of_module::call", 0.5)
+    assert "test_added.py::test_bad: @pytest.mark.expires('soon'): seconds" in session.text
+
+
 def test_an_expiry_after_an_ordinary_failure_still_reads_timeout(
     pytester: pytest.Pytester,
 ) -> None:

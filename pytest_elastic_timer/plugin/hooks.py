@@ -184,26 +184,20 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 def pytest_collection(session: pytest.Session) -> Generator[None, None, None]:
     scopes.process_state().set_phase("collection")
     collected = yield
+    state = session.config.stash[SESSION]
+    # Read once the items are final: conftest code and plugins add ``expires`` markers
+    # in pytest_collection_modifyitems. A bad marker is an error of its test alone, at
+    # its setup: the module's other tests run, and every bad marker is named.
+    state.budgets.add_items(session.items)
     # Test modules are imported by now, and with them any library they use.
     # Loaded first, they are among what is kept from pyfakefs where it is used.
     in_process_sessions.load_if_tests_run_sessions(session.config, session.items)
-    state = session.config.stash[SESSION]
     if lifecycle.start_watchdog_if_needed(session.config, state, session.items):
         _after_watchdog_start(state)
         scopes.process_state().set_phase("collection")
         state.torch_timer_file = TorchTimerFile.of_session()
     real_filesystem.keep_if_faked(session.items, str(session.config.rootpath))
     return collected
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_make_collect_report(collector: pytest.Collector) -> Any:
-    # Once per collector, not per test. A bad marker is an error of its test alone, at
-    # its setup: the module's other tests run, and every bad marker is named.
-    report = yield
-    if report.passed and report.result:
-        collector.config.stash[SESSION].budgets.add_items(report.result)
-    return report
 
 
 # -- running: one scope per phase ----------------------------------------------------
