@@ -806,7 +806,7 @@ def test_a_budget_starts_the_sessions_own_watchdog(pytester):
     outer = os.environ["PYTEST_ELASTIC_TIMER"]
     result = run_inner(pytester, INNER_BUDGET)
     result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*test_overruns::call' expired after*"])
+    result.stdout.fnmatch_lines(["*scope 'test_overruns::call' expired after*"])
     (line,) = [text for text in result.stdout.lines if "inner address " in text]
     assert line.split("inner address ", 1)[1] not in ("", outer)
     assert os.environ["PYTEST_ELASTIC_TIMER"] == outer
@@ -863,6 +863,79 @@ def test_a_session_run_in_process_starts_its_watchdog_when_a_test_needs_one(
     result.assert_outcomes(passed=5)
     expired = json.loads(report.read_text(encoding="utf-8"))["expired"]
     assert expired == [], [record["scope"] for record in expired]
+    started = set(psutil.Process().children(recursive=True)) - before
+    assert all(wait_gone(p.pid, 5.0) for p in started), started
+
+
+NAMED_AS_ITS_OWN_OUTER = '''
+import pytest
+import pytest_elastic_timer as et
+
+pytest_plugins = ["pytester"]
+
+INNER = """
+import time
+
+import pytest
+import pytest_elastic_timer as et
+
+
+@pytest.mark.expires(30)
+def test_budgeted():
+    with et.expires(0.2, scope="step"):
+        time.sleep(30)
+
+
+def test_plain():
+    with et.expires(0.2, scope="step"):
+        time.sleep(30)
+
+
+@pytest.mark.expires(0.2)
+def test_phase():
+    time.sleep(30)
+"""
+
+NAMES = ["test_budgeted::call/step", "test_plain::call/step", "test_phase::call"]
+
+
+def run_inner(pytester):
+    pytester.makepyfile(test_inner=INNER)
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:asyncio")
+    result.assert_outcomes(failed=3)
+    for name in NAMES:
+        result.stdout.fnmatch_lines([f"E *ScopeExpired: scope '{name}' expired after *"])
+        result.stdout.fnmatch_lines([f"TIMEOUT * - scope '{name[:20]}*"])
+    assert "test_outer_plain::" not in result.stdout.str()
+    assert "test_outer_budgeted::" not in result.stdout.str()
+    # The outer test's own scopes are named after it again.
+    with pytest.raises(et.ScopeExpired) as caught:
+        with et.expires(0.05, scope="after"):
+            while True:
+                pass
+    return caught.value.scope
+
+
+def test_outer_plain(pytester):
+    assert run_inner(pytester) == "test_outer_plain::call/after"
+
+
+@pytest.mark.expires(60)
+def test_outer_budgeted(pytester):
+    assert run_inner(pytester) == "test_outer_budgeted::call/after"
+'''
+
+
+def test_a_session_run_in_process_names_its_scopes_as_a_session_of_its_own(
+    pytester: pytest.Pytester,
+) -> None:
+    """The scopes of a session that a test runs in-process are not named below that
+    test's phase, whether it has a budget (a scope open below the inner session's) or
+    not; and the outer test's scopes are named after it again afterwards."""
+    pytester.makepyfile(test_outer=NAMED_AS_ITS_OWN_OUTER)
+    before = set(psutil.Process().children(recursive=True))
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:asyncio")
+    result.assert_outcomes(passed=2)
     started = set(psutil.Process().children(recursive=True)) - before
     assert all(wait_gone(p.pid, 5.0) for p in started), started
 

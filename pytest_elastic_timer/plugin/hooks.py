@@ -91,6 +91,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
     state.expiry_listener = on_expiry
     scopes.expiry_listeners.append(state.expiry_listener)
+    if not state.ends_with_its_process:  # run by a test: named as a session of its own
+        state.put_back_naming = scopes.name_afresh()
     watch = state.leak_watch = leaks.Watch()
     state.used = any_given(config)
     if settings.leaks in ("warn", "kill") or (settings.leaks == "auto" and state.used):
@@ -335,5 +337,6 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     lifecycle.restore_environment(state)
     # The process as the session found it (a pytest run inside a test of another).
     state.put_back_scopes()
+    state.put_back_naming()
     if state.leak_watch is not None:
         state.leak_watch.leave()

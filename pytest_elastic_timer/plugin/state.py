@@ -62,6 +62,7 @@ class SessionState:
         self.exitstatus: int | None = None
         # What leaves the process as the session found it (a pytest run inside a test).
         self.put_back_scopes: Callable[[], None] = _nothing
+        self.put_back_naming: Callable[[], None] = _nothing
         self.leak_watch: leaks.Watch | None = None  # None: no session runs (--help)
         # Whether the session uses the plugin (see uses_plugin); once True, it stays.
         self.used = False

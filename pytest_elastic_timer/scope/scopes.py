@@ -47,6 +47,7 @@ __all__ = [
     "expiry_listeners",
     "holding_interrupts",
     "leave_test_phase",
+    "name_afresh",
     "phase_scope",
     "process_state",
     "reattach",
@@ -85,18 +86,21 @@ class ScopeStack(deque["TimerRequest"]):
     ``tid`` is the thread's ident. ``prefix`` is the path that scopes entered at the
     bottom of the stack are named below: the plugin sets it to the test phase the
     thread is in (``test_x::call``) when that phase has no budget, and so no scope of
-    its own to name it.
+    its own to name it. ``base`` is where that bottom is: the number of scopes under it
+    that belong to a test running this thread's pytest session inside its own
+    (:func:`name_afresh`), and that the session's scopes are not named below.
 
     A deque: a list that a thread's one scope empties and fills again is shrunk and
     grown (a ``realloc`` each way) by every scope.
     """
 
-    __slots__ = ("prefix", "tid")
+    __slots__ = ("base", "prefix", "tid")
 
     def __init__(self, tid: int) -> None:
         super().__init__()
         self.tid = tid
         self.prefix = ""
+        self.base = 0
 
 
 _tls = threading.local()
@@ -174,6 +178,24 @@ def set_aside() -> Callable[[], None]:
 
 def _keep() -> None:
     pass
+
+
+def name_afresh() -> Callable[[], None]:
+    """Name the scopes that the calling thread enters from now on as if no scope were
+    open and no test running, and return the function that puts its naming back.
+
+    For a pytest session run inside a test of another (pytester's in-process runs):
+    its tests' scopes read ``test_inner::call/step`` as in a session of its own, not
+    ``test_outer::call/test_inner::call/step``. The scopes open already stay open and
+    enforced."""
+    stack = thread_stack()
+    base, prefix = stack.base, stack.prefix
+    stack.base, stack.prefix = len(stack), ""
+
+    def put_back() -> None:
+        stack.base, stack.prefix = base, prefix
+
+    return put_back
 
 
 def _forget_after_fork() -> None:
@@ -267,7 +289,8 @@ class TimerRequest:
             stack = _thread_stack()
         frame = sys._getframe(1)
         detached = self.detached
-        parent = "" if detached else stack[-1].path if stack else stack.prefix
+        depth = len(stack)
+        parent = "" if detached else stack[-1].path if depth > stack.base else stack.prefix
         at = self.at
         name = self.scope
         # One int names the call site (code objects hash slowly: CPython recomputes it);
@@ -298,7 +321,6 @@ class TimerRequest:
             self._task = None
         now = self._start = monotonic()
         after = self.after
-        depth = len(stack)
         if after is None:
             self._deadline = _INF
             self._slot = -1
@@ -534,7 +556,8 @@ def enter_test_phase(scope: TimerRequest, stack: ScopeStack) -> TimerRequest:
         raise RuntimeError(f"scope {scope.path!r} is already active")
     state = _state or process_state()
     name = scope.scope or ""
-    parent = stack[-1].path if stack else stack.prefix
+    depth = len(stack)
+    parent = stack[-1].path if depth > stack.base else stack.prefix
     scope.path = f"{parent}/{name}" if parent else name
     scope._state = state
     scope._stack = stack
@@ -545,7 +568,6 @@ def enter_test_phase(scope: TimerRequest, stack: ScopeStack) -> TimerRequest:
     free = state.free
     slot = scope._slot = free.pop() if free else state.alloc()
     serial = scope._serial = next(state.serials)
-    depth = len(stack)
     stack.append(scope)  # before its slot opens, as in TimerRequest.__enter__
     state.table.open_phase_slot(
         slot,
