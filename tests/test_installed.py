@@ -908,6 +908,10 @@ def run_inner(pytester):
         result.stdout.fnmatch_lines([f"TIMEOUT * - scope '{name[:20]}*"])
     assert "test_outer_plain::" not in result.stdout.str()
     assert "test_outer_budgeted::" not in result.stdout.str()
+    # Its own watchdog recorded them: its summary lists them.
+    summary = result.stdout.str().split("elastic-timer: expired scopes", 1)[1]
+    listed = [line.split("'")[1] for line in summary.splitlines() if line.startswith("scope '")]
+    assert listed == NAMES
     # The outer test's own scopes are named after it again.
     with pytest.raises(et.ScopeExpired) as caught:
         with et.expires(0.05, scope="after"):
@@ -931,11 +935,73 @@ def test_a_session_run_in_process_names_its_scopes_as_a_session_of_its_own(
 ) -> None:
     """The scopes of a session that a test runs in-process are not named below that
     test's phase, whether it has a budget (a scope open below the inner session's) or
-    not; and the outer test's scopes are named after it again afterwards."""
+    not, and they are the inner session's watchdog's: its summary lists them, the outer
+    session's report does not. The outer test's scopes are named after it again
+    afterwards, and enforced by the outer watchdog."""
     pytester.makepyfile(test_outer=NAMED_AS_ITS_OWN_OUTER)
+    report = pytester.path / "outer.json"
     before = set(psutil.Process().children(recursive=True))
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:asyncio")
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-p", "no:asyncio", f"--elastic-timer-report={report}"
+    )
     result.assert_outcomes(passed=2)
+    expired = json.loads(report.read_text(encoding="utf-8"))["expired"]
+    assert sorted(record["scope"] for record in expired) == [
+        "test_outer_budgeted::call/after",
+        "test_outer_plain::call/after",
+    ]
+    started = set(psutil.Process().children(recursive=True)) - before
+    assert all(wait_gone(p.pid, 5.0) for p in started), started
+
+
+PAUSED_INSIDE_OUTER = '''
+import pytest
+
+pytest_plugins = ["pytester"]
+
+INNER = """
+import time
+
+import pytest_elastic_timer as et
+from pytest_elastic_timer.scope import scopes
+
+
+def test_paused():
+    with et.expires(1.0, scope="inner") as timer:
+        deadline = timer.deadline
+        scopes.suspend()  # what entering pdb does
+        try:
+            time.sleep(2.0)
+        finally:
+            scopes.resume()
+        assert timer.deadline >= deadline + 2.0
+"""
+
+
+@pytest.mark.expires(1.5)
+def test_outer(pytester):
+    pytester.makepyfile(test_inner=INNER)
+    result = pytester.runpytest_inprocess(
+        "-p", "no:cacheprovider", "-p", "no:asyncio", "--expires=30"
+    )
+    result.assert_outcomes(passed=1)
+'''
+
+
+def test_a_debugger_pause_inside_a_session_run_in_process_pauses_the_outer_test_too(
+    pytester: pytest.Pytester,
+) -> None:
+    """A debugger that holds a test of a session run in-process (one with its own
+    watchdog) pauses the deadlines of the outer test too, which its outer watchdog
+    enforces: the outer test is neither interrupted nor ended while it is paused."""
+    pytester.makepyfile(test_outer=PAUSED_INSIDE_OUTER)
+    report = pytester.path / "outer.json"
+    before = set(psutil.Process().children(recursive=True))
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-p", "no:asyncio", f"--elastic-timer-report={report}"
+    )
+    result.assert_outcomes(passed=1)
+    assert json.loads(report.read_text(encoding="utf-8"))["expired"] == []
     started = set(psutil.Process().children(recursive=True)) - before
     assert all(wait_gone(p.pid, 5.0) for p in started), started
 

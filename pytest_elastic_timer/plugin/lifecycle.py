@@ -144,8 +144,7 @@ def _on_its_own(state: SessionState) -> None:
         },
     )
     state.put_back_scopes = scopes.set_aside()
-    if scopes.current_state() is None:  # set aside: not the outer session's test
-        scopes.process_state().set_nodeid("")
+    scopes.process_state().set_nodeid("")  # not the outer session's test
 
 
 # What a test asks for when it asks for the session's watchdog.

@@ -159,6 +159,9 @@ class ProcessState:
 
     def __init__(self, on_interrupt: SignalHandler) -> None:
         self.pid = unpatched.getpid()
+        # Whether scopes entered with this state write its table: not once it is
+        # closed, nor in a child forked from this process (the table is the parent's).
+        self.usable = True
         self.address = os.environ.get(ENV_ADDRESS) or None
         self.sock: socket.socket | None = None
         self.sentinel: Sentinel | None = None
@@ -476,6 +479,7 @@ class ProcessState:
 
         Everything the state installed is undone: the process is left as it was
         before (a pytest session run inside a test of another ends this way)."""
+        self.usable = False
         self.send_unsent_before_leaving()
         self.standby_ended = True
         self._wake_standby()
@@ -520,6 +524,7 @@ class ProcessState:
         """In a child forked from this process: close its copies of the descriptors of
         this state (the connection, the standby thread's, the interrupter's channel),
         which stay open in the parent; the threads themselves did not come along."""
+        self.usable = False
         channel = self.interrupter.channel if self.interrupter is not None else None
         for sock in (
             self.sock,

@@ -108,6 +108,9 @@ _stacks: dict[int, ScopeStack] = {}
 _detached: dict[int, TimerRequest] = {}  # open scopes outside every stack, by id()
 _state: client.ProcessState | None = None
 _state_lock = threading.Lock()
+# States that set_aside() put aside, until put back: the scopes of an outer session
+# still open use them (a pytest session run inside a test of another).
+_aside: list[client.ProcessState] = []
 
 
 def _thread_stack() -> ScopeStack:
@@ -160,24 +163,24 @@ def reattach() -> None:
 def set_aside() -> Callable[[], None]:
     """Let the next scope connect anew, as :func:`reattach`, and return the function
     that closes that new state and puts this one back: a pytest session run inside a
-    test of another leaves the outer session's connection as it found it. While scopes
-    are open they keep the state in use, and nothing is set aside."""
+    test of another leaves the outer session's connection as it found it.
+
+    Scopes open already keep the state they were entered with: it stays connected,
+    its watchdog enforces them, and their exit clears their slots in its table."""
     global _state
-    if any(_stacks.values()):
-        return _keep
     previous, _state = _state, None
+    if previous is not None:
+        _aside.append(previous)
 
     def put_back() -> None:
         global _state
         current, _state = _state, previous
+        if previous is not None and previous in _aside:
+            _aside.remove(previous)
         if current is not None and current is not previous:
             current.close()
 
     return put_back
-
-
-def _keep() -> None:
-    pass
 
 
 def name_afresh() -> Callable[[], None]:
@@ -201,9 +204,11 @@ def name_afresh() -> Callable[[], None]:
 def _forget_after_fork() -> None:
     # The child owns none of its parent's scopes: it starts with a table of its own.
     global _state, _state_lock, _tls, _delivering
-    if _state is not None:
-        _state.forget_descriptors()  # our copies only; the parent's stay open
+    for state in (_state, *_aside):
+        if state is not None:
+            state.forget_descriptors()  # our copies only; the parent's stay open
     _state = None
+    _aside.clear()
     _state_lock = threading.Lock()
     _delivering = threading.Lock()  # a thread of the parent may have held it
     _tls = threading.local()
@@ -386,8 +391,8 @@ class TimerRequest:
                 stack.pop()
             elif self in stack:
                 _close_abandoned(stack, self)
-        if state is not _state:
-            return  # entered before a fork: the parent's slots are not ours
+        if not state.usable:
+            return  # entered before a fork (the parent's slots), or its state is closed
         slot = self._slot
         if slot >= 0:
             state.table.clear_slot(slot)
@@ -426,7 +431,7 @@ class TimerRequest:
         self._cancelled = True
         self._deadline = _INF
         state = self._state
-        if state is not None and self._slot >= 0 and state is _state:
+        if state is not None and self._slot >= 0 and state.usable:
             state.table.clear_slot(self._slot)
             state.free.append(self._slot)
             self._slot = -1
@@ -457,9 +462,9 @@ class TimerRequest:
         if self._cancelled:
             return
         self._deadline = deadline
-        if self._slot < 0 and state is _state:
+        if self._slot < 0 and state.usable:
             self._slot = state.alloc()
-        if self._slot >= 0 and state is _state:
+        if self._slot >= 0 and state.usable:
             self._serial = next(state.serials)
             stack = self._stack
             state.table.write_slot(
@@ -597,7 +602,7 @@ def leave_test_phase(scope: TimerRequest, exc: BaseException | None) -> None:
     stack = scope._stack
     if (
         state is None
-        or state is not _state
+        or not state.usable
         or scope._delivered
         or state.trace is not None
         or not stack
@@ -740,7 +745,7 @@ def close_above(stack: ScopeStack, depth: int, ending: str) -> None:
         state = inner._state
         inner._state = None
         inner._abandoned = True
-        if state is not None and state is _state and inner._slot >= 0:
+        if state is not None and state.usable and inner._slot >= 0:
             state.table.clear_slot(inner._slot)
             state.free.append(inner._slot)
             inner._slot = -1
@@ -835,7 +840,9 @@ def _on_interrupt(signum: int, frame: FrameType | None) -> None:
     its thread as an asynchronous one.
     """
     __tracebackhide__ = True
-    state = _state
+    # No state between set_aside() and the next one's start: an outer session's scopes
+    # may still be open, and due.
+    state = _state or (_aside[-1] if _aside else None)
     if state is None or state.table.floats[tbl.H_SUSPENDED]:
         return
     if signum:
@@ -893,7 +900,8 @@ def _deliver_due(state: client.ProcessState, frame: FrameType | None) -> None:
                 # The loop is interrupted (waiting, or between steps): only the task's
                 # cancellation reaches the task. Its own code gets the exception.
                 delivery.cancel_task(task, scope.path)
-                _tell_expired(state, scope, now, delivery.task_stacks([scope._task]))
+                told = scope._state or state  # an outer session's scope: its watchdog
+                _tell_expired(told, scope, now, delivery.task_stacks([scope._task]))
                 break
             if exc is None:
                 exc = _report(scope, now, "interrupted", where)
@@ -933,30 +941,42 @@ def _postpone_expired(now: float, scopes: list[TimerRequest] | None = None) -> N
 
 
 # -- debugger suspension -------------------------------------------------------------
+def _states_in_use() -> list[client.ProcessState]:
+    """This process's state and those set aside (an outer session's, whose scopes may
+    still be open), each with a watchdog that enforces its own table."""
+    return [process_state(), *[s for s in _aside if s.usable]]
+
+
 def suspend() -> None:
     """Pause every deadline of this process (a debugger took over)."""
-    state = process_state()
-    if not state.table.floats[tbl.H_SUSPENDED]:
-        state.table.floats[tbl.H_SUSPENDED] = monotonic()
+    now = monotonic()
+    for state in _states_in_use():
+        if not state.table.floats[tbl.H_SUSPENDED]:
+            state.table.floats[tbl.H_SUSPENDED] = now
 
 
 def resume() -> None:
-    """Resume deadlines, moved later by the time spent paused."""
-    state = process_state()
-    since = state.table.floats[tbl.H_SUSPENDED]
-    if not since:
+    """Resume deadlines, each moved later by the time its table was paused."""
+    now = monotonic()
+    paused: dict[client.ProcessState, float] = {}
+    for state in _states_in_use():
+        since = state.table.floats[tbl.H_SUSPENDED]
+        if since:
+            paused[state] = now - since
+    if not paused:
         return
-    paused = monotonic() - since
-    earliest = _INF
-    for stack in list(_stacks.values()):
-        for scope in list(stack):
-            if scope._slot >= 0 and not scope._cancelled:
-                scope._deadline += paused
-                state.table.move_deadline(scope._slot, scope._deadline)
-                earliest = min(earliest, scope._deadline)
-    state.table.floats[tbl.H_SUSPENDED] = 0.0
-    if earliest < _INF:
-        state.notify(earliest)
+    earliest = dict.fromkeys(paused, _INF)
+    scopes = [s for stack in list(_stacks.values()) for s in list(stack)]
+    for scope in [*scopes, *list(_detached.values())]:
+        own = scope._state
+        if own is not None and own in paused and scope._slot >= 0 and not scope._cancelled:
+            scope._deadline += paused[own]
+            own.table.move_deadline(scope._slot, scope._deadline)
+            earliest[own] = min(earliest[own], scope._deadline)
+    for state, deadline in earliest.items():
+        state.table.floats[tbl.H_SUSPENDED] = 0.0
+        if deadline < _INF:
+            state.notify(deadline)
 
 
 delivery.mark_critical(
