@@ -845,6 +845,23 @@ def test_a_fixture_of_the_plugin_starts_it(pytester, elastic_timer_server):
 '''
 
 
+def run_outer(pytester: pytest.Pytester, source: str, passed: int) -> list[str]:
+    """Run ``source``, a test module whose tests run sessions in-process, in a pytest
+    of its own that writes a JSON report; its tests all pass, and every process the run
+    started is gone. Returns the scopes of the report's records."""
+    pytester.makepyfile(test_outer=source)
+    report = pytester.path / "outer.json"
+    before = set(psutil.Process().children(recursive=True))
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-p", "no:asyncio", f"--elastic-timer-report={report}"
+    )
+    result.assert_outcomes(passed=passed)
+    started = set(psutil.Process().children(recursive=True)) - before
+    assert all(wait_gone(p.pid, 5.0) for p in started), started
+    expired = json.loads(report.read_text(encoding="utf-8"))["expired"]
+    return sorted(record["scope"] for record in expired)
+
+
 def test_a_session_run_in_process_starts_its_watchdog_when_a_test_needs_one(
     pytester: pytest.Pytester,
 ) -> None:
@@ -854,17 +871,7 @@ def test_a_session_run_in_process_starts_its_watchdog_when_a_test_needs_one(
     session's watchdog. A budget, or the fixture, starts the session's own; xdist
     workers start it at once. One that cannot start leaves the session on its own, and
     the outer session's state and environment as they were."""
-    report = pytester.path / "outer.json"
-    pytester.makepyfile(test_outer=ON_DEMAND_OUTER)
-    before = set(psutil.Process().children(recursive=True))
-    result = pytester.runpytest_subprocess(
-        "-p", "no:cacheprovider", "-p", "no:asyncio", f"--elastic-timer-report={report}"
-    )
-    result.assert_outcomes(passed=5)
-    expired = json.loads(report.read_text(encoding="utf-8"))["expired"]
-    assert expired == [], [record["scope"] for record in expired]
-    started = set(psutil.Process().children(recursive=True)) - before
-    assert all(wait_gone(p.pid, 5.0) for p in started), started
+    assert run_outer(pytester, ON_DEMAND_OUTER, passed=5) == []
 
 
 NAMED_AS_ITS_OWN_OUTER = '''
@@ -938,20 +945,10 @@ def test_a_session_run_in_process_names_its_scopes_as_a_session_of_its_own(
     not, and they are the inner session's watchdog's: its summary lists them, the outer
     session's report does not. The outer test's scopes are named after it again
     afterwards, and enforced by the outer watchdog."""
-    pytester.makepyfile(test_outer=NAMED_AS_ITS_OWN_OUTER)
-    report = pytester.path / "outer.json"
-    before = set(psutil.Process().children(recursive=True))
-    result = pytester.runpytest_subprocess(
-        "-p", "no:cacheprovider", "-p", "no:asyncio", f"--elastic-timer-report={report}"
-    )
-    result.assert_outcomes(passed=2)
-    expired = json.loads(report.read_text(encoding="utf-8"))["expired"]
-    assert sorted(record["scope"] for record in expired) == [
+    assert run_outer(pytester, NAMED_AS_ITS_OWN_OUTER, passed=2) == [
         "test_outer_budgeted::call/after",
         "test_outer_plain::call/after",
     ]
-    started = set(psutil.Process().children(recursive=True)) - before
-    assert all(wait_gone(p.pid, 5.0) for p in started), started
 
 
 PAUSED_INSIDE_OUTER = '''
@@ -994,16 +991,7 @@ def test_a_debugger_pause_inside_a_session_run_in_process_pauses_the_outer_test_
     """A debugger that holds a test of a session run in-process (one with its own
     watchdog) pauses the deadlines of the outer test too, which its outer watchdog
     enforces: the outer test is neither interrupted nor ended while it is paused."""
-    pytester.makepyfile(test_outer=PAUSED_INSIDE_OUTER)
-    report = pytester.path / "outer.json"
-    before = set(psutil.Process().children(recursive=True))
-    result = pytester.runpytest_subprocess(
-        "-p", "no:cacheprovider", "-p", "no:asyncio", f"--elastic-timer-report={report}"
-    )
-    result.assert_outcomes(passed=1)
-    assert json.loads(report.read_text(encoding="utf-8"))["expired"] == []
-    started = set(psutil.Process().children(recursive=True)) - before
-    assert all(wait_gone(p.pid, 5.0) for p in started), started
+    assert run_outer(pytester, PAUSED_INSIDE_OUTER, passed=1) == []
 
 
 # Another plugin's suite builds nodes with pytester's helpers, which run a session's
