@@ -994,6 +994,76 @@ def test_a_debugger_pause_inside_a_session_run_in_process_pauses_the_outer_test_
     assert run_outer(pytester, PAUSED_INSIDE_OUTER, passed=1) == []
 
 
+NODE_HELPERS_OUTER = '''
+import os
+
+import pytest
+import pytest_elastic_timer as et
+from _pytest.runner import runtestprotocol
+
+pytest_plugins = ["pytester"]
+
+SOURCE = """
+import time
+
+import pytest
+
+
+@pytest.fixture
+def slow():
+    time.sleep(30)
+
+
+@pytest.mark.expires(30, setup=0.3)
+def test_slow_setup(slow):
+    pass
+"""
+
+
+def hang(name):
+    with pytest.raises(et.ScopeExpired) as caught:
+        with et.expires(0.05, scope=name):
+            while True:
+                pass
+    return caught.value.scope
+
+
+def test_plain(pytester):
+    address = os.environ["PYTEST_ELASTIC_TIMER"]
+    pytester.getitem(SOURCE, "test_slow_setup")
+    assert os.environ["PYTEST_ELASTIC_TIMER"] == address
+    assert hang("after") == "test_plain::call/after"
+
+
+@pytest.mark.expires(60)
+def test_budgeted(pytester):
+    address = os.environ["PYTEST_ELASTIC_TIMER"]
+    pytester.getitems(SOURCE)
+    assert os.environ["PYTEST_ELASTIC_TIMER"] == address
+    assert hang("after") == "test_budgeted::call/after"
+
+
+def test_runs_the_item_itself(pytester):
+    setup = runtestprotocol(pytester.getitem(SOURCE, "test_slow_setup"), log=False)[0]
+    assert setup.when == "setup" and setup.failed
+    assert "test_slow_setup::setup' expired after" in str(setup.longrepr)
+'''
+
+
+def test_pytesters_node_helpers_leave_the_calling_test_its_scopes(
+    pytester: pytest.Pytester,
+) -> None:
+    """pytester's getitem() and getitems() configure pytest inside the calling test
+    and unconfigure it only at that test's teardown: until then the test's scopes are
+    still its own (named after it, enforced by its session's watchdog, in its report),
+    and items it runs itself keep their phase budgets (named below its own phase)."""
+    assert run_outer(pytester, NODE_HELPERS_OUTER, passed=3) == [
+        "test_budgeted::call/after",
+        "test_plain::call/after",
+        "test_runs_the_item_itself::call/test_slow_setup::setup",
+    ]
+
+
 # Another plugin's suite builds nodes with pytester's helpers, which run a session's
 # start and finish hooks around a collection without running the session (pytest-xdist's
 # own looponfail tests): the finishing session has no exit status of its own.

@@ -99,8 +99,9 @@ class BudgetBook:
         self.has_markers = False  # a test of this process has an expires marker
 
     def add_items(self, nodes: Iterable[Any]) -> None:
-        """Give each item of ``nodes`` its budgets, or its error for a bad marker; the
-        marker of a parent is looked up once for its items, not once per item."""
+        """Give each item of ``nodes`` its budgets, or its error for a bad marker (an
+        item read again takes its new ones); the marker of a parent is looked up once
+        for its items, not once per item."""
         parent_seen: Any = self
         parent_mark: pytest.Mark | None = None
         for node in nodes:
@@ -113,6 +114,8 @@ class BudgetBook:
                 mark = parent_mark
             try:
                 self.by_item[node] = self.default if mark is None else self._marked(node, mark)
+                if self.errors:  # read again, and good now
+                    self.errors.pop(node, None)
             except ValueError as exc:
                 self.errors[node] = str(exc)
             except Exception as exc:  # a value whose own methods fail: still this test's

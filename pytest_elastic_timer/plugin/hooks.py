@@ -78,6 +78,7 @@ def pytest_configure(config: pytest.Config) -> None:
         book,
         rootdir=str(config.rootpath),
         ends_with_its_process=lifecycle.ends_with_its_process(config),
+        has_no_session_of_its_own=lifecycle.has_no_session_of_its_own(config),
     )
     config.stash[SESSION] = state
     if config.getoption("help", False) or config.getoption("markers", False):
@@ -91,8 +92,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
     state.expiry_listener = on_expiry
     scopes.expiry_listeners.append(state.expiry_listener)
-    if not state.ends_with_its_process:  # run by a test: named as a session of its own
-        state.put_back_naming = scopes.name_afresh()
+    if not state.ends_with_its_process and not state.has_no_session_of_its_own:
+        state.put_back_naming = scopes.name_afresh()  # run by a test: as a session of its own
     watch = state.leak_watch = leaks.Watch()
     state.used = any_given(config)
     if settings.leaks in ("warn", "kill") or (settings.leaks == "auto" and state.used):
@@ -187,9 +188,8 @@ def pytest_collection(session: pytest.Session) -> Generator[None, None, None]:
     scopes.process_state().set_phase("collection")
     collected = yield
     state = session.config.stash[SESSION]
-    # Read once the items are final: conftest code and plugins add ``expires`` markers
-    # in pytest_collection_modifyitems. A bad marker is an error of its test alone, at
-    # its setup: the module's other tests run, and every bad marker is named.
+    # Read again once the items are final: conftest code and plugins add ``expires``
+    # markers in pytest_collection_modifyitems.
     state.budgets.add_items(session.items)
     # Test modules are imported by now, and with them any library they use.
     # Loaded first, they are among what is kept from pyfakefs where it is used.
@@ -200,6 +200,18 @@ def pytest_collection(session: pytest.Session) -> Generator[None, None, None]:
         state.torch_timer_file = TorchTimerFile.of_session()
     real_filesystem.keep_if_faked(session.items, str(session.config.rootpath))
     return collected
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Any:
+    # Also for items collected outside pytest_collection (pytester's getitems()), run
+    # by a test itself: a phase budget's wrappers are registered before they run. Once
+    # per collector, not per test. A bad marker is an error of its test alone, at its
+    # setup: the module's other tests run, and every bad marker is named.
+    report = yield
+    if report.passed and report.result:
+        collector.config.stash[SESSION].budgets.add_items(report.result)
+    return report
 
 
 # -- running: one scope per phase ----------------------------------------------------

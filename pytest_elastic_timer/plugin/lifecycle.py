@@ -113,6 +113,8 @@ def starts_watchdog_at_once(config: pytest.Config, state: SessionState) -> bool:
     otherwise :func:`defer_watchdog`. Another plugin's test suite runs thousands of
     such sessions, most of which use nothing of this plugin, and a watchdog costs a
     Python process's start: more CPU than such a session's own run."""
+    if state.has_no_session_of_its_own:
+        return False
     # xdist registers its controller (uses_xdist) after this plugin's configure.
     starts_workers = config.getoption("dist", "no") not in ("no", None)
     return state.ends_with_its_process or state.used or starts_workers or uses_xdist(config)
@@ -124,9 +126,14 @@ def defer_watchdog(state: SessionState) -> None:
 
     Until it starts, the session is on its own: its scopes, and those of the processes
     its tests start, are enforced in-process (the environment names no watchdog, not
-    even an outer session's, whose records they must not join)."""
+    even an outer session's, whose records they must not join).
+
+    A configuration with no session of its own (:func:`has_no_session_of_its_own`)
+    never starts one, and leaves the process as the calling test has it: the scopes
+    of items that test runs itself are that test's session's."""
     state.watchdog_on_demand = True
-    _on_its_own(state)
+    if not state.has_no_session_of_its_own:
+        _on_its_own(state)
 
 
 def _on_its_own(state: SessionState) -> None:
@@ -215,16 +222,32 @@ def ends_with_its_process(config: pytest.Config) -> bool:
     Sessions are pytest's own ``wrap_session`` frames: every way to start a session
     in-process passes through it, on every pytest this plugin supports, and its
     ``config`` says whose it is."""
+    sessions = _sessions_on_the_stack()
+    if not sessions:  # configured with no session at all, not inside one either
+        return True
+    return len(sessions) == 1 and sessions[0] is config
+
+
+def has_no_session_of_its_own(config: pytest.Config) -> bool:
+    """Whether ``config`` is configured inside another session without a session of
+    its own: pytester's ``getitem()``, ``getitems()``, ``getmodulecol()`` and
+    ``parseconfigure()``, which collect (or only configure) within the calling test
+    and run no test loop, and are unconfigured only at that test's teardown."""
+    sessions = _sessions_on_the_stack()
+    return bool(sessions) and all(session is not config for session in sessions)
+
+
+def _sessions_on_the_stack() -> list[object]:
+    """The configs of pytest's ``wrap_session`` frames on the calling thread's stack,
+    innermost first."""
     frame: FrameType | None = sys._getframe(1)
-    sessions: list[FrameType] = []
+    sessions: list[object] = []
     while frame is not None:
         code = frame.f_code
         if code.co_name == "wrap_session" and code.co_filename.endswith(_PYTEST_MAIN):
-            sessions.append(frame)
+            sessions.append(frame.f_locals.get("config"))
         frame = frame.f_back
-    if not sessions:  # configured with no session at all, not inside one either
-        return True
-    return len(sessions) == 1 and sessions[0].f_locals.get("config") is config
+    return sessions
 
 
 _PYTEST_MAIN = os.path.join("_pytest", "main.py")

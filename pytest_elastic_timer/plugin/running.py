@@ -157,9 +157,10 @@ class RunningTest:
         if len(self.stack) > self.depth:
             self._close_open_scopes()
         self.stack.prefix = self.outer_prefix
-        # Back to the test that runs this session in-process, if any.
+        # Back to the test that runs this session in-process, if any, where the two
+        # share the process's scope state (a test that runs items itself).
         outer = _running[-1] if _running else None
-        if outer is None:
+        if outer is None or outer.process is not self.process:
             self.process.restore_test("", self.outer_sid, "between tests")
         else:
             self.process.restore_test(outer.nodeid, self.outer_sid, outer.when)

@@ -35,12 +35,16 @@ class SessionState:
         *,
         rootdir: str = "",
         ends_with_its_process: bool = False,
+        has_no_session_of_its_own: bool = False,
     ) -> None:
         self.settings = settings
         self.budgets = budgets
         self.rootdir = rootdir
         # The command line's own session: its process ends with it (see lifecycle).
         self.ends_with_its_process = ends_with_its_process
+        # Configured inside another session with none of its own (pytester's getitem()
+        # and the like): it leaves the process to that session.
+        self.has_no_session_of_its_own = has_no_session_of_its_own
         self.watchdog: launcher.WatchdogHandle | None = None
         # A session run in-process by a test whose watchdog is to start only once a
         # test needs it (see lifecycle.defer_watchdog); False once it started.
