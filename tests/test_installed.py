@@ -905,11 +905,24 @@ def test_phase():
 
 NAMES = ["test_budgeted::call/step", "test_plain::call/step", "test_phase::call"]
 
+# Between its tests, the inner session's table names none (not the outer test).
+BETWEEN_TESTS = """
+from pytest_elastic_timer.scope import scopes
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    with open("between.txt", "a", encoding="utf-8") as file:
+        file.write(repr(scopes.process_state().nodeid) + "\\\\n")
+"""
+
 
 def run_inner(pytester):
     pytester.makepyfile(test_inner=INNER)
+    pytester.makeconftest(BETWEEN_TESTS)
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:asyncio")
     result.assert_outcomes(failed=3)
+    between = (pytester.path / "between.txt").read_text(encoding="utf-8")
+    assert between.splitlines() == ["''"] * 3, between
     for name in NAMES:
         result.stdout.fnmatch_lines([f"E *ScopeExpired: scope '{name}' expired after *"])
         result.stdout.fnmatch_lines([f"TIMEOUT * - scope '{name[:20]}*"])
@@ -943,7 +956,7 @@ def test_a_session_run_in_process_names_its_scopes_as_a_session_of_its_own(
     """The scopes of a session that a test runs in-process are not named below that
     test's phase, whether it has a budget (a scope open below the inner session's) or
     not, and they are the inner session's watchdog's: its summary lists them, the outer
-    session's report does not. The outer test's scopes are named after it again
+    session's report does not. Between its tests its table names no test. The outer test's scopes are named after it again
     afterwards, and enforced by the outer watchdog."""
     assert run_outer(pytester, NAMED_AS_ITS_OWN_OUTER, passed=2) == [
         "test_outer_budgeted::call/after",
