@@ -956,8 +956,9 @@ def test_a_session_run_in_process_names_its_scopes_as_a_session_of_its_own(
     """The scopes of a session that a test runs in-process are not named below that
     test's phase, whether it has a budget (a scope open below the inner session's) or
     not, and they are the inner session's watchdog's: its summary lists them, the outer
-    session's report does not. Between its tests its table names no test. The outer test's scopes are named after it again
-    afterwards, and enforced by the outer watchdog."""
+    session's report does not. Between its tests its table names no test. The outer
+    test's scopes are named after it again afterwards, and enforced by the outer
+    watchdog."""
     assert run_outer(pytester, NAMED_AS_ITS_OWN_OUTER, passed=2) == [
         "test_outer_budgeted::call/after",
         "test_outer_plain::call/after",

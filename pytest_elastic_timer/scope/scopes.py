@@ -391,8 +391,10 @@ class TimerRequest:
                 stack.pop()
             elif self in stack:
                 _close_abandoned(stack, self)
-        if not state.usable:
-            return  # entered before a fork (the parent's slots), or its state is closed
+        # The current state is always usable; another one (an outer session's, set
+        # aside) may be closed, or the parent's, entered before a fork.
+        if state is not _state and not state.usable:
+            return
         slot = self._slot
         if slot >= 0:
             state.table.clear_slot(slot)
@@ -602,7 +604,7 @@ def leave_test_phase(scope: TimerRequest, exc: BaseException | None) -> None:
     stack = scope._stack
     if (
         state is None
-        or not state.usable
+        or state is not _state
         or scope._delivered
         or state.trace is not None
         or not stack
