@@ -1010,10 +1010,12 @@ def test_a_debugger_pause_inside_a_session_run_in_process_pauses_the_outer_test_
 
 NODE_HELPERS_OUTER = '''
 import os
+import time
 
 import pytest
 import pytest_elastic_timer as et
 from _pytest.runner import runtestprotocol
+from pytest_elastic_timer.scope import scopes
 
 pytest_plugins = ["pytester"]
 
@@ -1044,8 +1046,10 @@ def hang(name):
 
 def test_plain(pytester):
     address = os.environ["PYTEST_ELASTIC_TIMER"]
-    pytester.getitem(SOURCE, "test_slow_setup")
+    pytester.getmodulecol(SOURCE, configargs=["--expires-session=0.2"])
     assert os.environ["PYTEST_ELASTIC_TIMER"] == address
+    assert scopes.process_state().phase() == "call"  # not the helper's session hooks'
+    time.sleep(0.4)  # no session budget of the helper's
     assert hang("after") == "test_plain::call/after"
 
 
@@ -1069,8 +1073,10 @@ def test_pytesters_node_helpers_leave_the_calling_test_its_scopes(
 ) -> None:
     """pytester's getitem() and getitems() configure pytest inside the calling test
     and unconfigure it only at that test's teardown: until then the test's scopes are
-    still its own (named after it, enforced by its session's watchdog, in its report),
-    and items it runs itself keep their phase budgets (named below its own phase)."""
+    still its own (named after it, enforced by its session's watchdog, in its report;
+    its phase is not the helper's session hooks', nor does a helper's session budget
+    run), and items it runs itself keep their phase budgets (named below its own
+    phase)."""
     assert run_outer(pytester, NODE_HELPERS_OUTER, passed=3) == [
         "test_budgeted::call/after",
         "test_plain::call/after",

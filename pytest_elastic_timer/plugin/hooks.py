@@ -172,14 +172,18 @@ def pytest_report_header(config: pytest.Config) -> str:
 def pytest_sessionstart(session: pytest.Session) -> None:
     config = session.config
     state = config.stash[SESSION]
-    scopes.process_state().set_phase("sessionstart")
+    # pytester's getnode() calls this inside a test of another session, and runs no
+    # session: that test's phase, and its session's budget, stay as they are.
+    inside_a_test = state.has_no_session_of_its_own
+    if not inside_a_test:
+        scopes.process_state().set_phase("sessionstart")
     state.torch_timer_file = TorchTimerFile.of_session()
     if not is_worker(config) and uses_xdist(config):
         # A controller that starts workers: xdist made its session in pytest_configure
         # and starts the workers after this hook (its own is trylast).
         _register_xdist_hooks(config)
         watch_failures(config)  # workers' failures arrive at any time
-    if state.settings.session:
+    if state.settings.session and not inside_a_test:
         lifecycle.enter_session_scope(session, state)
 
 
@@ -235,8 +239,9 @@ def pytest_leave_pdb(config: pytest.Config, pdb: Any) -> None:
 def pytest_sessionfinish(
     session: pytest.Session, exitstatus: int | pytest.ExitCode
 ) -> Generator[None, None, None]:
-    scopes.process_state().set_phase("sessionfinish")
     state = session.config.stash.get(SESSION, None)
+    if state is None or not state.has_no_session_of_its_own:  # see pytest_sessionstart
+        scopes.process_state().set_phase("sessionfinish")
     if state is not None:
         # The argument, not session.exitstatus: pytester's getitem() and getnode() call
         # this hook for a session that never ran, which has no such attribute.
