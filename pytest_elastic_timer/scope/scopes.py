@@ -934,12 +934,15 @@ def _postpone_expired(now: float, scopes: list[TimerRequest] | None = None) -> N
     """Someone is stepping through this process (or through the thread of ``scopes``):
     expired scopes get their budget again (at least a second) instead of an exception
     in the debugger's face."""
-    if scopes is None:
-        scopes = [s for stack in list(_stacks.values()) for s in stack]
-        scopes += list(_detached.values())
-    for scope in scopes:
+    for scope in _open_scopes() if scopes is None else scopes:
         if not scope._cancelled and scope._deadline <= now + _EARLY and scope.active:
             scope._set_deadline(now + max(1.0, scope._deadline - scope._start))
+
+
+def _open_scopes() -> list[TimerRequest]:
+    """Every open scope of this process: those of every thread's stack, then the
+    detached ones."""
+    return [s for stack in list(_stacks.values()) for s in list(stack)] + list(_detached.values())
 
 
 # -- debugger suspension -------------------------------------------------------------
@@ -968,8 +971,7 @@ def resume() -> None:
     if not paused:
         return
     earliest = dict.fromkeys(paused, _INF)
-    scopes = [s for stack in list(_stacks.values()) for s in list(stack)]
-    for scope in [*scopes, *list(_detached.values())]:
+    for scope in _open_scopes():
         own = scope._state
         if own is not None and own in paused and scope._slot >= 0 and not scope._cancelled:
             scope._deadline += paused[own]
