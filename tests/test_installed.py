@@ -74,6 +74,45 @@ def test_strict_warnings_see_nothing(
     assert result.errlines == []
 
 
+THREAD_PER_TEST_SUITE = """
+import os
+import threading
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def server_thread():
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    yield
+    stop.set()
+    thread.join()
+
+
+@pytest.mark.parametrize("i", range(150))
+def test_many(i):
+    pass
+
+
+def test_zz_open_files():
+    assert len(os.listdir("/proc/self/fd")) < 40
+"""
+
+
+@pytest.mark.parametrize("workers", [[], ["-p", "xdist", "-n", "2"]], ids=["one", "xdist"])
+def test_a_thread_per_test_leaves_no_file_open(
+    pytester: pytest.Pytester, workers: list[str]
+) -> None:
+    """A fixture that starts a thread for every test (a server, say): the leak check
+    reads the children of every thread, and keeps no file open for a thread that has
+    ended. 150 such tests left 150 files open, and a long suite ran out of them."""
+    pytester.makepyfile(test_threads=THREAD_PER_TEST_SUITE)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:asyncio", *workers)
+    result.assert_outcomes(passed=151)
+
+
 NESTED_SUITE = '''
 import ctypes
 import gc
@@ -474,6 +513,9 @@ builtins.open = _counting("open", open, direct=True)
 json.dumps = _counting("json.dumps", json.dumps, direct=True)
 json.loads = _counting("json.loads", json.loads, direct=True)
 threading.get_ident = _counting("threading.get_ident", threading.get_ident, direct=True)
+# What a test does that fakes a directory or a file (direct: as above).
+os.listdir = _counting("os.listdir", os.listdir, direct=True)
+os.pread = _counting("os.pread", os.pread, direct=True)
 # What a test does that wants fixed ids (direct: as above).
 uuid.uuid4 = _counting("uuid.uuid4", uuid.uuid4, direct=True)
 
@@ -497,9 +539,14 @@ threading.Timer = _CountingTimer
 PATCHED_SUITE = '''
 import subprocess
 import sys
+import threading
 
 import pytest
 import pytest_elastic_timer as et
+
+# A library's thread, alive through every test: the leak check then reads the children
+# of every thread, not the main one's alone.
+threading.Thread(target=threading.Event().wait, daemon=True).start()
 
 INNER = """
 import subprocess

@@ -413,7 +413,7 @@ def ring_paths(directory: str, pids: Iterable[int] | None = None) -> list[str]:
     """Ring files in the session ``directory`` (of the processes ``pids`` only)."""
     # os.listdir, not glob: glob's own os is faked while a test fakes the file system.
     try:
-        names = os.listdir(directory)
+        names = unpatched.listdir(directory)
     except OSError:
         return []
     prefixes = (PREFIX,) if pids is None else tuple(f"{PREFIX}{pid}-" for pid in pids)

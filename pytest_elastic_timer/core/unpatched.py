@@ -43,6 +43,12 @@ posix_spawn = getattr(os, "posix_spawn", None)
 waitpid = os.waitpid
 waitid = getattr(os, "waitid", None)
 pidfd_open = getattr(os, "pidfd_open", None)
+# The leak check's reads of /proc/self/task/*/children, before and after every test: a
+# fixture may fake a directory listing or a file read for the test it sets up.
+listdir = os.listdir
+open_fd = os.open
+pread = os.pread
+close = os.close
 
 # The random part of the names of a session's files (tables, dumps, traces, rings):
 # not uuid.uuid4, which tests replace to get fixed ids (and whose module, with the

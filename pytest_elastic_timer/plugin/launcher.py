@@ -243,7 +243,7 @@ def _inheritable_fds(keep: set[int]) -> list[int]:
     """This process's inheritable descriptors other than ``keep``: closed in the
     watchdog as Popen's ``close_fds`` would (a test's pipe must not stay open in it)."""
     try:
-        names = os.listdir("/proc/self/fd")
+        names = unpatched.listdir("/proc/self/fd")
     except OSError:
         return []
     found = []

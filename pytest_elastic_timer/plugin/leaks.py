@@ -101,10 +101,10 @@ class Watch:
         opened = [k for k, fd in _children_fds.items() if self._files.get(k) != fd]
         for key in opened:
             with contextlib.suppress(OSError):
-                os.close(_children_fds.pop(key))
+                unpatched.close(_children_fds.pop(key))
         if _main_children[0] != self._main:
             with contextlib.suppress(OSError):
-                os.close(_main_children[0])
+                unpatched.close(_main_children[0])
             _main_children[0] = self._main
 
 
@@ -112,7 +112,7 @@ def joined_the_session(directory: str, pids: set[int]) -> bool:
     """Whether any of ``pids`` entered a scope of the session in ``directory`` (its
     scope table is there)."""
     try:
-        names = os.listdir(directory) if directory else []
+        names = unpatched.listdir(directory) if directory else []
     except OSError:
         return False
     return any(tbl.pid_of_file(name) in pids for name in names)
@@ -128,9 +128,9 @@ def _read_children(task: str) -> bytes:
     fd = _children_fds.get(key)
     if fd is None:
         fd = _children_fds[key] = _open_children(task)
-    data = os.pread(fd, 4096, 0)
+    data = unpatched.pread(fd, 4096, 0)
     while len(data) % 4096 == 0 and data:  # more children than one page holds
-        more = os.pread(fd, 4096, len(data))
+        more = unpatched.pread(fd, 4096, len(data))
         if not more:
             break
         data += more
@@ -138,7 +138,7 @@ def _read_children(task: str) -> bytes:
 
 
 def _open_children(task: str) -> int:
-    return os.open(f"/proc/self/task/{task}/children", os.O_RDONLY)
+    return unpatched.open_fd(f"/proc/self/task/{task}/children", os.O_RDONLY)
 
 
 def snapshot() -> bytes:
@@ -151,21 +151,39 @@ def snapshot() -> bytes:
         if fd >= 0 or (fd := _main_fd()) >= 0:
             # Small enough for Python's own allocator: a page-sized buffer would cost
             # a malloc, a realloc and a free for every test.
-            data = os.pread(fd, _FIRST_READ, 0)
+            data = unpatched.pread(fd, _FIRST_READ, 0)
             if len(data) < _FIRST_READ:
                 return data
     main = threading.main_thread().native_id or unpatched.getpid()
     try:
-        tasks = os.listdir("/proc/self/task")
+        tasks = unpatched.listdir("/proc/self/task")
     except OSError:
         tasks = [str(main)]
+    _close_files_of_ended_threads(tasks)
     parts = []
     for task in tasks:
         try:
             parts.append(_read_children(task))
         except OSError:
-            _children_fds.pop((unpatched.getpid(), task), None)
+            _close_children_file(task)
     return b" ".join(parts)
+
+
+def _close_files_of_ended_threads(tasks: list[str]) -> None:
+    # A suite whose fixture starts a thread for every test would otherwise keep a file
+    # open for each thread it ever had, until the open fails ("Too many open files").
+    if len(_children_fds) > len(tasks):
+        pid = unpatched.getpid()
+        alive = set(tasks)
+        for key in [key for key in _children_fds if key[0] != pid or key[1] not in alive]:
+            _close_children_file(key[1], key[0])
+
+
+def _close_children_file(task: str, pid: int | None = None) -> None:
+    fd = _children_fds.pop((unpatched.getpid() if pid is None else pid, task), -1)
+    if fd >= 0:
+        with contextlib.suppress(OSError):
+            unpatched.close(fd)
 
 
 def _only_our_threads_beside_main() -> bool:
@@ -200,7 +218,7 @@ def _forget_after_fork() -> None:
     for fd in [*_children_fds.values(), _main_children[0]]:
         if fd >= 0:
             with contextlib.suppress(OSError):
-                os.close(fd)
+                unpatched.close(fd)
     _children_fds.clear()
     _main_children[0] = -1
 
@@ -244,7 +262,7 @@ def reap_adopted() -> None:
     """Reap the adopted watchdogs of inner sessions that have ended."""
     for pid in list(_adopted):
         try:
-            done, _ = os.waitpid(pid, os.WNOHANG)
+            done, _ = unpatched.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
             done = pid
         if done:
@@ -301,11 +319,11 @@ def still_running_after(pids: set[int], timeout: float = SETTLE) -> set[int]:
                 break
             for fd in unpatched.select(list(waiting), [], [], left)[0]:
                 del waiting[fd]
-                os.close(fd)
+                unpatched.close(fd)
         return set(waiting.values())
     finally:
         for fd in waiting:
-            os.close(fd)
+            unpatched.close(fd)
 
 
 def _poll_until_ended(pids: set[int], deadline: float) -> set[int]:
@@ -339,4 +357,4 @@ def describe_running(pids: set[int]) -> list[dict[str, object]]:
 
 def _reap(pid: int) -> None:
     with contextlib.suppress(ChildProcessError, OSError):
-        os.waitpid(pid, os.WNOHANG)
+        unpatched.waitpid(pid, os.WNOHANG)

@@ -6,7 +6,6 @@ is never signalled. This module imports nothing from pytest.
 
 from __future__ import annotations
 
-import os
 import signal
 from dataclasses import dataclass
 
@@ -17,6 +16,7 @@ import psutil
 # send_signal calls os.kill by name); this module is imported late, so the references
 # come from core.unpatched, bound when the package was imported.
 from pytest_elastic_timer.core.unpatched import kill as _kill
+from pytest_elastic_timer.core.unpatched import listdir as _listdir
 from pytest_elastic_timer.core.unpatched import monotonic as _monotonic
 from pytest_elastic_timer.core.unpatched import open as _open
 from pytest_elastic_timer.core.unpatched import sleep as _sleep
@@ -76,7 +76,7 @@ def label_of(proc: psutil.Process) -> str:
 def _children_pids(pid: int) -> list[int] | None:
     """Direct children from /proc/<pid>/task/*/children (None where unavailable)."""
     try:
-        tasks = os.listdir(f"/proc/{pid}/task")
+        tasks = _listdir(f"/proc/{pid}/task")
     except OSError:
         return None
     pids: list[int] = []
