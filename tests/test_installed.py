@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
 import time
 
@@ -111,6 +112,53 @@ def test_a_thread_per_test_leaves_no_file_open(
     pytester.makepyfile(test_threads=THREAD_PER_TEST_SUITE)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:asyncio", *workers)
     result.assert_outcomes(passed=151)
+
+
+SHADOWED_SUITE = """
+import time
+
+import pytest
+
+
+def test_passes():
+    pass
+
+
+@pytest.mark.expires(0.5)
+def test_hangs():
+    time.sleep(30)
+"""
+
+
+def test_a_project_module_named_like_the_standard_librarys_is_not_the_watchdogs(
+    pytester: pytest.Pytester,
+) -> None:
+    """A module at the project's root named like one of the standard library's (token.py,
+    json.py), with pytest run as its console script: the watchdog, started from that
+    directory, imports the standard library's own and serves the session. It died at
+    start-up, and the session read "watchdog lost"."""
+    script = os.path.join(os.path.dirname(sys.executable), "pytest")
+    if not os.access(script, os.X_OK):
+        pytest.skip(f"no pytest console script beside {sys.executable}")
+    pytester.makepyfile(
+        token="def make_token():\n    return 'abc'\n",
+        json="def parse(text):\n    return text\n",
+        test_project=SHADOWED_SUITE,
+    )
+    # Not pytester.run: it puts the directory on PYTHONPATH, where pytest itself would
+    # import the project's token.py.
+    run = subprocess.run(
+        [script, "-p", "no:cacheprovider", "-p", "no:asyncio"],
+        cwd=pytester.path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.stderr == ""
+    result = pytest.RunResult(run.returncode, run.stdout.splitlines(), [], 0.0)
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*scope 'test_hangs::call' expired after 0.5*interrupted*"])
+    result.stdout.no_fnmatch_line("*watchdog lost*")
 
 
 NESTED_SUITE = '''

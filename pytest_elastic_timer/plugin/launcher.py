@@ -495,13 +495,29 @@ def _watchdog_env() -> dict[str, str]:
     return env
 
 
+# ``python -m pytest_elastic_timer.watchdog``, with the working directory kept off the
+# watchdog's sys.path: a module of the user's project named like one of the standard
+# library's (a token.py or a json.py at the project's root) would stand in for it, and
+# the watchdog would die at start-up. Python 3.10 has no -P: a bootstrap drops the
+# directory, which -c puts first, and runs the module as -m would.
+_WATCHDOG_MODULE = (
+    [sys.executable, "-P", "-m", "pytest_elastic_timer.watchdog"]
+    if sys.version_info >= (3, 11)
+    else [
+        sys.executable,
+        "-c",
+        "import runpy, sys; del sys.path[0]; "
+        "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)",
+        "pytest_elastic_timer.watchdog",
+    ]
+)
+
+
 def _watchdog_argv(directory: str, grace: float, kill_after: float, scale: float) -> list[str]:
     """The command line every watchdog starts with: its directory, the pytest process
     it serves, and the session's grace, kill delay and scale."""
     return [
-        sys.executable,
-        "-m",
-        "pytest_elastic_timer.watchdog",
+        *_WATCHDOG_MODULE,
         "--dir",
         directory,
         "--root-pid",
