@@ -114,6 +114,38 @@ def test_a_thread_per_test_leaves_no_file_open(
     result.assert_outcomes(passed=151)
 
 
+WAITING_SUITE = """
+import os
+
+
+def test_no_child_to_reap():
+    try:
+        found = os.waitpid(-1, os.WNOHANG)
+    except ChildProcessError:
+        found = None
+    assert found is None
+
+
+def test_wait_reaps_the_tests_own_child():
+    pid = os.fork()
+    if pid == 0:
+        os._exit(7)
+    assert os.wait() == (pid, 7 << 8)
+"""
+
+
+@pytest.mark.parametrize("quiet", ["-q", "--no-header"])
+def test_a_test_that_waits_for_any_child_finds_none_of_the_plugins(
+    pytester: pytest.Pytester, quiet: str
+) -> None:
+    """``os.wait()`` in a test finds the test's own children only. The shell that starts
+    the watchdog was reaped when pytest first asked for the watchdog's pid, for the
+    header: under -q or --no-header, tests found it."""
+    pytester.makepyfile(test_waiting=WAITING_SUITE)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:asyncio", quiet)
+    result.assert_outcomes(passed=2)
+
+
 SHADOWED_SUITE = """
 import time
 

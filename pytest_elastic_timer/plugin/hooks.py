@@ -203,6 +203,10 @@ def pytest_collection(session: pytest.Session) -> Generator[None, None, None]:
         scopes.process_state().set_phase("collection")
         state.torch_timer_file = TorchTimerFile.of_session()
     real_filesystem.keep_if_faked(session.items, str(session.config.rootpath))
+    if state.watchdog is not None:
+        # Before any test runs: the header (where pytest asks for the pid) is not
+        # written under -q or --no-header.
+        state.watchdog.reap_its_shell()
     return collected
 
 

@@ -116,6 +116,12 @@ class WatchdogHandle:
         self._hear_shell()
         return self._pidfd
 
+    def reap_its_shell(self) -> None:
+        """Reap the shell that started a detached watchdog, which has said its pid by
+        now: a test that waits for any child of the process (``os.wait()``) must not
+        find that shell."""
+        self._hear_shell()
+
     def _hear_shell(self) -> None:
         """A detached watchdog's pid and pidfd, from its shell (once). One whose shell
         said no pid, or that ended already, counts as ended."""
