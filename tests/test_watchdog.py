@@ -435,6 +435,43 @@ def test_the_owners_report_of_an_interrupt_is_its_record(
     assert len(interrupts) == 1
 
 
+def _a_defect(*args: object) -> list[int]:
+    raise RecursionError("a defect")
+
+
+@pytest.mark.parametrize("failing", ["children", "peers"])
+def test_a_failing_step_of_an_escalation_leaves_the_scope_enforced(
+    step: Stepper,
+    client: Client,
+    interrupts: list[float],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    failing: str,
+) -> None:
+    """A defect in a step that only adds to the record (asking the processes below the
+    owner for their stacks, before the interrupt, or its other ranks, after it) is said
+    on stderr and in the report, and the escalation goes on without that step: the
+    owner is interrupted once, and its report is the record. The escalation ended
+    there, and the scope was never interrupted nor its owner ended."""
+    dog = step.dog
+    if failing == "children":
+        monkeypatch.setattr(dog.ladder.dumper, "ask_descendants", _a_defect)
+    else:
+        monkeypatch.setattr(dog.ladder, "peers_of", _a_defect)
+    client.open_scope(0.1, serial=5)
+    step.elapse(0.15)
+    assert len(interrupts) == 1
+    client.send(wire.encode("expired", serial=5, scope="scope-5", stack="the stack"))
+    client.leave_scope()
+    step.elapse(0.01)
+    (record,) = dog.records
+    assert (record.scope, record.action, record.stack) == ("scope-5", "interrupted", "the stack")
+    assert len(interrupts) == 1
+    (error,) = dog.internal_errors
+    assert "escalation of scope 'scope-5'" in error and "a defect" in error
+    assert "RecursionError: a defect" in capsys.readouterr().err
+
+
 def test_a_scope_closed_in_time_costs_nothing(
     step: Stepper, client: Client, interrupts: list[float]
 ) -> None:

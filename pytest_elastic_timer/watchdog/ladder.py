@@ -80,6 +80,7 @@ class Ladder:
         by_channel = interrupt and not table.words[tbl.H_INTERRUPT_SIG] and interruptible
         if interrupt:
             owner.interrupt()
+            expiry.interrupted = True
         if with_dumps:
             # The other ranks of its world once it is interrupted: finding them reads
             # the rings, which must not hold the interrupt back.

@@ -95,7 +95,7 @@ class Loop:
             try:
                 key.data(key.fileobj)
             except Exception as exc:
-                self._failed(exc, f"the reader of {key.fileobj!r}")
+                self.report_error(exc, f"the reader of {key.fileobj!r}")
                 self.remove_reader(key.fileobj)
         return len(ready)
 
@@ -107,11 +107,11 @@ class Loop:
             try:
                 callback()
             except Exception as exc:
-                self._failed(exc, f"the timer {getattr(callback, '__qualname__', callback)!r}")
+                self.report_error(exc, f"the timer {getattr(callback, '__qualname__', callback)!r}")
 
-    def _failed(self, exc: Exception, what: str) -> None:
-        """A callback raised ``exc``: the error handler's to judge; without one, it ends
-        the turn."""
+    def report_error(self, exc: Exception, what: str) -> None:
+        """A callback raised ``exc`` (or caught it, and went on without what failed):
+        the error handler's to judge; without one, it ends the turn."""
         if self.on_error is None:
             raise exc
         self.on_error(exc, what)

@@ -52,6 +52,9 @@ class Expiry:
     peers: list[dict[str, Any]] = field(default_factory=list)  # other ranks of its world
     read_peers: Callable[[], list[dict[str, Any]]] | None = None
     recorded: bool = False  # a preliminary record was written
+    interrupted: bool = False  # the owner was sent its interrupt
+    # A step failed: the escalation went on without the other processes' stacks.
+    plain: bool = False
     steps: Generator[float, None, None] | None = None  # the ladder, step by step
 
     def reported_stack(self) -> str:

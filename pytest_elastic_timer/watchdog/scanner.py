@@ -158,6 +158,19 @@ class Scanner:
             delay = next(expiry.steps)
         except StopIteration:
             return
+        except Exception as exc:
+            if expiry.plain:
+                raise  # the plain ladder failed too: the loop reports it
+            # A defect in what only adds to the record (the stacks of the processes
+            # below the owner and of its ranks, their collectives) must not leave the
+            # scope unenforced: the escalation goes on without them.
+            self.loop.report_error(exc, f"a step of the escalation of scope {expiry.path!r}")
+            expiry.plain = True
+            expiry.read_children = expiry.read_peers = None
+            expiry.steps = self.ladder.steps(
+                owner, expiry, interrupt=not expiry.interrupted, dumps=False
+            )
+            delay = 0.0
         self.loop.call_at(self.loop.clock() + delay, lambda: self.advance(owner, expiry))
 
     def settle(self) -> None:
