@@ -760,6 +760,62 @@ def test_a_missing_rank_in_an_op_of_another_group_names_that_group(ranks: Any) -
     assert "rank 2 missing, in all_reduce #1 (group 1) at train.py:40" in col.collective_line(found)
 
 
+def test_an_isend_never_waited_for_is_not_where_its_rank_blocks(ranks: Any) -> None:
+    """An isend stays open in the ring until it is waited for; its rank has gone on to
+    the all_reduce it blocks in. The isend was named, with nobody missing."""
+    zero, one = ranks(2)
+    zero.op("isend", kind=col.SEND, peer=1, done=False)
+    one.op("recv", kind=col.RECV, peer=0)
+    zero.op("all_reduce", done=False)  # rank 1 never comes
+    found = col.align(rings([zero, one]), NOW)
+    assert found is not None
+    assert (found["op"], found["seq"], found["waiting"], found["missing"]) == (
+        "all_reduce",
+        1,
+        [0],
+        [1],
+    )
+
+
+def test_the_owners_collective_is_the_one_of_its_record(ranks: Any) -> None:
+    """Two groups hang, each for a reason of its own: the record of a scope of rank 2
+    names rank 2's collective, whichever rank has waited longest. It named group 1's,
+    where neither rank 2 nor its missing partner appears."""
+    ranks_ = ranks(4)
+    for rank in ranks_:
+        rank.writer.add_group("1", [0, 1])
+        rank.writer.add_group("2", [2, 3])
+    zero, _, two, _ = ranks_
+    zero.op("all_reduce", group="1", done=False)  # first in: waits for rank 1
+    two.op("all_reduce", group="2", done=False)  # waits for rank 3
+    owner = two.ring().pid
+    found = col.align(rings(ranks_), NOW, owners={owner})
+    assert found is not None
+    assert (found["group"], found["waiting"], found["missing"]) == ("2", [2], [3])
+    anyone = col.align(rings(ranks_), NOW)  # no owner given: the longest wait
+    assert anyone is not None and (anyone["group"], anyone["missing"]) == ("1", [1])
+
+
+def test_batch_isend_irecv_is_aligned_by_its_number_in_the_group(ranks: Any) -> None:
+    """The second batch of a rank whose partner never sends its second: rank 1 is
+    missing from batch_isend_irecv #2. Every batch was number 0, and the first one,
+    long over, stood for the hang."""
+    zero, one = ranks(2)
+    zero.op("batch_isend_irecv", kind=col.OTHER)
+    one.op("batch_isend_irecv", kind=col.OTHER)
+    zero.op("batch_isend_irecv", kind=col.OTHER, done=False)
+    found = col.align(rings([zero, one]), NOW)
+    assert found is not None
+    assert (found["op"], found["seq"], found["waiting"], found["missing"]) == (
+        "batch_isend_irecv",
+        2,
+        [0],
+        [1],
+    )
+    line = col.collective_line(found)
+    assert "rank 1 missing, last completed batch_isend_irecv #1" in line, line
+
+
 def test_a_ranks_stack_on_the_terminal_keeps_the_frames_around_the_recorder() -> None:
     """The recorder's frame lies between the test's code and torch's: trimming the
     runner's outer frames must not take it for one of them (and cut the test's)."""

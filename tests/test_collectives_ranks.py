@@ -120,6 +120,13 @@ def rank_main(rank, port):
     dist.all_reduce(torch.ones(1), group=sub)  # subgroup #1
     work = dist.all_reduce(t, async_op=True)  # async all_reduce #6
     work.wait()
+    for _ in range(2):  # batch_isend_irecv #1 and #2
+        pair = [
+            dist.P2POp(dist.isend, torch.ones(2), 1 - rank),
+            dist.P2POp(dist.irecv, torch.zeros(2), 1 - rank),
+        ]
+        for request in dist.batch_isend_irecv(pair):
+            request.wait()
     dist.destroy_process_group()
 
 
@@ -161,6 +168,9 @@ def test_ranks_record_every_op_through_the_session_start_up_hook(tmp_path: Path)
             ("all_gather_object", "default", 5, col.COMPLETED),  # its inner ops are not counted
             ("all_reduce", sub, 1, col.COMPLETED),
             ("all_reduce", "default", 6, col.COMPLETED),
+            # Numbered per group, as the ranks call them: a hang in one is aligned.
+            ("batch_isend_irecv", "default", 1, col.COMPLETED),
+            ("batch_isend_irecv", "default", 2, col.COMPLETED),
         ]
         assert ops == expected, ops
         entries = {(e.op, e.seq): e for e in ring.entries if e.group == "default"}

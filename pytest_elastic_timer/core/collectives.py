@@ -82,7 +82,7 @@ COLLECTIVE = 0
 SEND = 1
 RECV = 2
 INIT = 3  # init_process_group: the rendezvous, seq 0 of the default group
-OTHER = 4  # recorded, never aligned (batch_isend_irecv, ...)
+OTHER = 4  # batch_isend_irecv: numbered per group, aligned by that number
 KIND_NAMES = {COLLECTIVE: "collective", SEND: "send", RECV: "recv", INIT: "init", OTHER: "other"}
 
 # States of an entry.
@@ -342,8 +342,13 @@ class Ring:
         return self.entries
 
     def blocked(self) -> Entry | None:
-        """The op this rank is blocked in: its oldest op that has not ended."""
-        return next((e for e in self.current() if e.started), None)
+        """The op this rank is blocked in: its newest op if that has not ended (an op
+        that returns at once, an isend never waited for, stays open behind it), else
+        its oldest op that has not ended (the one a ``wait()`` is most likely on)."""
+        current = self.current()
+        if current and current[-1].started:
+            return current[-1]
+        return next((e for e in current if e.started), None)
 
     def last(self) -> Entry | None:
         current = self.current()
@@ -498,15 +503,19 @@ def _rank_view(entry: Entry | None, now: float) -> dict[str, Any]:
     }
 
 
-def align(rings: Iterable[Ring], now: float, gone: Collection[int] = ()) -> dict[str, Any] | None:
+def align(
+    rings: Iterable[Ring], now: float, gone: Collection[int] = (), owners: Collection[int] = ()
+) -> dict[str, Any] | None:
     """The ``collective`` field of an expiry record, from the rings of the ranks
     concerned (``now``: ``time.monotonic()`` at the expiry), or None when no rank is
     inside a collective or point-to-point op. ``gone``: the pids of processes known to
     have ended before ``now``.
 
-    The collective is the op the longest-waiting rank blocks in: its group and that
-    group's sequence number. ``waiting`` are the group's ranks inside an op at that
-    sequence number, ``died`` those that ended inside it (their process is in
+    The collective is the op the longest-waiting rank blocks in, among the ranks that
+    are ``owners`` (the pids of the record's owner and of the processes below it) if
+    any of them blocks in one: its group and that group's sequence number. (Another
+    group's ranks may hang too, for a reason of their own.) ``waiting`` are the
+    group's ranks inside an op at that sequence number, ``died`` those that ended inside it (their process is in
     ``gone``), ``missing`` those that never reached it (a rank without a ring too);
     ``mismatch`` is ``"op"`` when the ranks at that number are in different ops,
     ``"shape"`` when they are in the same op with different tensor shapes.
@@ -525,9 +534,16 @@ def align(rings: Iterable[Ring], now: float, gone: Collection[int] = ()) -> dict
         for rank, ring in by_rank.items()
         if ring.pid in gone and not process_alive(ring.pid, ring.starttime)
     }
-    # The op a live rank waits in, the longest; a dead rank's only when all are dead.
+    # The op a live rank waits in, the longest; an owner's first, a dead rank's only
+    # when all are dead.
     anchor_rank, anchor = min(
-        blocked.items(), key=lambda item: (item[0] in dead, item[1].start, item[0])
+        blocked.items(),
+        key=lambda item: (
+            item[0] in dead,
+            bool(owners) and by_rank[item[0]].pid not in owners,
+            item[1].start,
+            item[0],
+        ),
     )
     group, seq = anchor.group, anchor.seq
     point_to_point = anchor.kind in (SEND, RECV)
@@ -781,6 +797,7 @@ def collective_for(
     is nobody's child), as they stood then, aligned. The rings outlive their processes,
     so this may run after the escalation ended them; ``gone``: the pids known to have
     ended before ``moment``."""
+    pids = set(pids)
     seeds = [r for r in newest_per_pid(read_rings(ring_paths(directory, pids))) if r.rank >= 0]
     if not seeds:
         return None
@@ -794,7 +811,7 @@ def collective_for(
     read = {r.path: r for r in seeds}
     read.update((r.path, r) for r in _whole(r for r in world if r.path not in read))
     rings = [read[r.path] for r in world if r.path in read]
-    return align([as_of(r, moment) for r in rings], moment, gone)
+    return align([as_of(r, moment) for r in rings], moment, gone, owners=pids)
 
 
 def peers_of(directory: str, pids: Collection[int]) -> list[int]:

@@ -254,9 +254,7 @@ class Recorder:
         group_name = self.group_name(group)
         if kind == ring_format.COLLECTIVE:
             seq = self.seqs[group_name] = self.seqs.get(group_name, 0) + 1
-        elif kind == ring_format.OTHER:
-            seq = 0
-        else:
+        else:  # point-to-point ops per peer, the others (batch_isend_irecv) per group
             key = (group_name, kind, peer)
             seq = self.p2p[key] = self.p2p.get(key, 0) + 1
         serial = ring.begin(
