@@ -101,6 +101,11 @@ def rings(ranks: list[Rank]) -> list[col.Ring]:
     return [r.ring() for r in ranks]
 
 
+def where_and_who(found: dict[str, Any]) -> tuple[str, int, list[int], list[int]]:
+    """The op and sequence number of a ``collective`` field, who waits, who is missing."""
+    return (found["op"], found["seq"], found["waiting"], found["missing"])
+
+
 # -- the ring ------------------------------------------------------------------------
 def test_layout_constants() -> None:
     assert col.ENTRY_SIZE == 512
@@ -393,7 +398,7 @@ def test_a_rank_stuck_in_the_rendezvous(tmp_path: Path) -> None:
     finally:
         zero.writer.close()
     assert found is not None
-    assert (found["op"], found["seq"], found["waiting"], found["missing"]) == (
+    assert where_and_who(found) == (
         "init_process_group",
         0,
         [0],
@@ -422,7 +427,7 @@ def test_a_recv_whose_sender_never_sent(ranks: Any) -> None:
     one.op("recv", kind=col.RECV, peer=0, done=False)
     found = col.align(rings([zero, one]), NOW)
     assert found is not None
-    assert (found["op"], found["seq"], found["waiting"], found["missing"]) == ("recv", 2, [1], [0])
+    assert where_and_who(found) == ("recv", 2, [1], [0])
     assert (found["ranks"]["0"]["op"], found["ranks"]["0"]["seq"]) == ("send", 1)
     line = col.collective_line(found)
     assert line.startswith("recv #2 from rank 0 (group default): rank 1 waiting "), line
@@ -769,7 +774,7 @@ def test_an_isend_never_waited_for_is_not_where_its_rank_blocks(ranks: Any) -> N
     zero.op("all_reduce", done=False)  # rank 1 never comes
     found = col.align(rings([zero, one]), NOW)
     assert found is not None
-    assert (found["op"], found["seq"], found["waiting"], found["missing"]) == (
+    assert where_and_who(found) == (
         "all_reduce",
         1,
         [0],
@@ -806,7 +811,7 @@ def test_batch_isend_irecv_is_aligned_by_its_number_in_the_group(ranks: Any) -> 
     zero.op("batch_isend_irecv", kind=col.OTHER, done=False)
     found = col.align(rings([zero, one]), NOW)
     assert found is not None
-    assert (found["op"], found["seq"], found["waiting"], found["missing"]) == (
+    assert where_and_who(found) == (
         "batch_isend_irecv",
         2,
         [0],

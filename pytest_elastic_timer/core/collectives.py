@@ -515,8 +515,9 @@ def align(
     are ``owners`` (the pids of the record's owner and of the processes below it) if
     any of them blocks in one: its group and that group's sequence number. (Another
     group's ranks may hang too, for a reason of their own.) ``waiting`` are the
-    group's ranks inside an op at that sequence number, ``died`` those that ended inside it (their process is in
-    ``gone``), ``missing`` those that never reached it (a rank without a ring too);
+    group's ranks inside an op at that sequence number, ``died`` those that ended
+    inside it (their process is in ``gone``), ``missing`` those that never reached it
+    (a rank without a ring too);
     ``mismatch`` is ``"op"`` when the ranks at that number are in different ops,
     ``"shape"`` when they are in the same op with different tensor shapes.
     """
