@@ -826,7 +826,9 @@ def test_lock_holder_killed_mid_hold(pytester: pytest.Pytester) -> None:
     (record,) = session.report["expired"]
     assert record["scope"] == "lock:gpu" and record["budget"] == 0.3
     assert record["nodeid"] == "test_lock.py::test_holder_killed_mid_hold"
-    assert session.report["session"]["sync"]["lock"]["gpu"]["abandoned"] == 1
+    gpu = session.report["session"]["sync"]["lock"]["gpu"]
+    assert gpu["abandoned"] == 1 and gpu["longest_hold"] > 0  # seconds: a float
+    jsonschema.validate(session.report, json.loads(REPORT_SCHEMA.read_text()))
     trace = json.loads((pytester.path / "trace.json").read_text())
     spans = [e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"]
     assert spans.count("lock:gpu") >= 2  # the one that timed out, the heir's hold
