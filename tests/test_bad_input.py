@@ -304,7 +304,16 @@ def test_reschedule_and_extend_reject_bad_values() -> None:
                 timer.extend(bad)
         with pytest.raises(TypeError):
             timer.extend("1")  # type: ignore[arg-type]
+        # None: a deadline is moved, never removed (cancel() removes it). An
+        # AssertionError without a word, and nothing at all under python -O.
+        with pytest.raises(TypeError, match="after must be a number of seconds, not None"):
+            timer.reschedule(None)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="seconds must be a number of seconds, not None"):
+            timer.extend(None)  # type: ignore[arg-type]
         assert 0 < timer.expires() <= 5
+    not_entered = et.TimerRequest(5)
+    with pytest.raises(TypeError, match="not None"):
+        not_entered.reschedule(None)  # type: ignore[arg-type]
 
 
 def test_set_label_rejects_non_strings() -> None:

@@ -440,8 +440,7 @@ class TimerRequest:
 
     def reschedule(self, after: float) -> None:
         """Move the deadline to ``after`` seconds from now (scaled like the budget)."""
-        seconds = _check_budget(after, "after")
-        assert seconds is not None
+        seconds = check_seconds(after, "after")  # None too: a deadline is moved, not removed
         state = self._state
         if state is None:
             self.after = seconds
@@ -450,8 +449,7 @@ class TimerRequest:
 
     def extend(self, seconds: float) -> None:
         """Move the deadline ``seconds`` later (scaled like the budget)."""
-        more = _check_budget(seconds, "seconds")
-        assert more is not None
+        more = check_seconds(seconds, "seconds")
         state = self._state
         if state is None:
             self.after = (self.after or 0.0) + more
