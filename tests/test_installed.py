@@ -146,6 +146,26 @@ def test_a_test_that_waits_for_any_child_finds_none_of_the_plugins(
     result.assert_outcomes(passed=2)
 
 
+TEMP_DIR_SUITE = """
+import tempfile
+
+
+def test_a_temp_dir_of_its_own(monkeypatch, tmp_path):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    assert tempfile.tempdir is None
+    assert tempfile.gettempdir() == str(tmp_path)
+"""
+
+
+def test_a_test_that_sets_tmpdir_gets_it(pytester: pytest.Pytester) -> None:
+    """The plugin finds the temporary directory without caching it in
+    ``tempfile.tempdir`` (under -s, pytest caches none itself): a test that sets
+    ``TMPDIR`` gets its own directory from ``tempfile``."""
+    pytester.makepyfile(test_temp=TEMP_DIR_SUITE)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:asyncio", "-s")
+    result.assert_outcomes(passed=1)
+
+
 SHADOWED_SUITE = """
 import time
 

@@ -84,13 +84,23 @@ def current() -> HostIdentity:
     )
 
 
+def temp_dir() -> str:
+    """``tempfile.gettempdir()``, without caching it in ``tempfile.tempdir`` as that
+    function does the first time: a test that sets ``TMPDIR`` later finds its own."""
+    cached = tempfile.tempdir
+    try:
+        return tempfile.gettempdir()
+    finally:
+        tempfile.tempdir = cached
+
+
 def session_root() -> str:
     """Where a session's private directory goes on this host: tmpfs keeps the scope
     tables in memory; the usual temp directory where there is no writable /dev/shm."""
     shm = "/dev/shm"
     if os.path.isdir(shm) and os.access(shm, os.W_OK | os.X_OK):
         return shm
-    return tempfile.gettempdir()
+    return temp_dir()
 
 
 def host_directory(token: str, identity: HostIdentity, root: str | None = None) -> str:

@@ -44,7 +44,7 @@ class WatchdogError(RuntimeError):
 def _session_root_dir() -> str | None:
     # tmpfs keeps the scope tables in memory; fall back to the usual temp dir.
     root = hostid.session_root()
-    return root if root != tempfile.gettempdir() else None
+    return root if root != hostid.temp_dir() else None
 
 
 def sweep_stale(root: str | None, older_than: float = 60.0) -> list[str]:
@@ -54,7 +54,7 @@ def sweep_stale(root: str | None, older_than: float = 60.0) -> list[str]:
     seconds and nothing accepts connections on its socket.
     """
     removed = []
-    pattern = os.path.join(root or tempfile.gettempdir(), "pytest-elastic-timer-*")
+    pattern = os.path.join(root or hostid.temp_dir(), "pytest-elastic-timer-*")
     for directory in glob.glob(pattern):
         try:
             st = os.lstat(directory)
@@ -288,7 +288,7 @@ def start(
     if _posix_spawn is None:
         raise WatchdogError("this platform has no posix_spawn")
     sweep_stale(_session_root_dir())
-    directory = tempfile.mkdtemp(prefix="pytest-elastic-timer-", dir=_session_root_dir())
+    directory = tempfile.mkdtemp(prefix="pytest-elastic-timer-", dir=hostid.session_root())
     os.chmod(directory, 0o700)
     address = os.path.join(directory, SOCKET_NAME)
     env = _watchdog_env()
