@@ -166,6 +166,68 @@ def test_a_test_that_sets_tmpdir_gets_it(pytester: pytest.Pytester) -> None:
     result.assert_outcomes(passed=1)
 
 
+NO_WATCHDOG_PLUGIN = """
+from pytest_elastic_timer.plugin import launcher
+
+
+def cannot_start(**kwargs):
+    raise OSError("no watchdog here")
+
+
+launcher.start = cannot_start
+"""
+
+EXPIRING_SUITE = """
+import time
+
+import pytest
+
+
+@pytest.mark.expires(0.3)
+def test_expires():
+    time.sleep(30)
+"""
+
+
+def test_a_watchdog_that_cannot_start_under_warnings_as_errors_leaves_the_session_running(
+    pytester: pytest.Pytester,
+) -> None:
+    """Under -W error, a watchdog that cannot start is said on stderr, and the session
+    runs with its scopes enforced in-process: the warning, raised at configure, ended
+    pytest with an INTERNALERROR before any test ran."""
+    pytester.makepyfile(no_watchdog=NO_WATCHDOG_PLUGIN, test_expiring=EXPIRING_SUITE)
+    result = pytester.runpytest_subprocess(
+        "-p", "no_watchdog", "-p", "no:cacheprovider", "-p", "no:asyncio", "-W", "error"
+    )
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*scope 'test_expires::call' expired after 0.3*"])
+    assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
+    result.stderr.fnmatch_lines(
+        ["*pytest-elastic-timer: no watchdog here; scopes are enforced in-process only*"]
+    )
+
+
+def test_a_descriptor_above_the_limit_on_open_files_does_not_keep_the_watchdog_from_starting(
+    pytester: pytest.Pytester,
+) -> None:
+    """pytest started with a descriptor open above its (lowered) limit on open files,
+    which posix_spawn cannot close in the watchdog: the watchdog starts all the same
+    and ends the test at its deadline. It did not start."""
+    pytester.makepyfile(test_expiring=EXPIRING_SUITE)
+    report = pytester.path / "report.json"
+    command = (
+        f"exec 300</dev/null; ulimit -n 256; exec {sys.executable} -m pytest -p no:cacheprovider"
+        f" -p no:asyncio --elastic-timer-report={report}"
+    )
+    run = subprocess.run(
+        ["bash", "-c", command], cwd=pytester.path, capture_output=True, text=True, timeout=60
+    )
+    assert "enforced in-process only" not in run.stdout + run.stderr, run.stdout + run.stderr
+    assert "elastic-timer: watchdog pid" in run.stdout, run.stdout
+    (record,) = json.loads(report.read_text(encoding="utf-8"))["expired"]
+    assert (record["scope"], record["action"]) == ("test_expires::call", "interrupted")
+
+
 SHADOWED_SUITE = """
 import time
 

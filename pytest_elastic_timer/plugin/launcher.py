@@ -6,6 +6,7 @@ import contextlib
 import fcntl
 import glob
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -247,15 +248,20 @@ def reap_stopped() -> None:
 
 def _inheritable_fds(keep: set[int]) -> list[int]:
     """This process's inheritable descriptors other than ``keep``: closed in the
-    watchdog as Popen's ``close_fds`` would (a test's pipe must not stay open in it)."""
+    watchdog as Popen's ``close_fds`` would (a test's pipe must not stay open in it).
+
+    Not one at or above the soft limit on open files (opened before the limit was
+    lowered): ``posix_spawn`` refuses to close it (EBADF), and the watchdog would not
+    start at all. It stays open in the watchdog."""
     try:
         names = unpatched.listdir("/proc/self/fd")
     except OSError:
         return []
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     found = []
     for name in names:
         fd = int(name)
-        if fd in keep:
+        if fd in keep or 0 <= limit <= fd:
             continue
         with contextlib.suppress(OSError):
             if os.get_inheritable(fd):

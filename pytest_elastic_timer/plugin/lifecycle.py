@@ -66,12 +66,7 @@ def start_watchdog(config: pytest.Config, state: SessionState) -> None:
             trace=bool(settings.trace),
         )
     except (launcher.WatchdogError, OSError) as exc:  # spawning it failed
-        config.issue_config_time_warning(
-            pytest.PytestWarning(
-                f"pytest-elastic-timer: {exc}; scopes are enforced in-process only"
-            ),
-            stacklevel=2,
-        )
+        warn_without_watchdog(config, f"{exc}; scopes are enforced in-process only")
         if not state.ends_with_its_process:
             _on_its_own(state)  # not on the outer session's watchdog either
         return
@@ -90,6 +85,18 @@ def start_watchdog(config: pytest.Config, state: SessionState) -> None:
     state.put_back_scopes = scopes.set_aside()
     # Connect now; the answer to our hello is not waited for (see ProcessState).
     scopes.process_state().welcome_in_background = True
+
+
+def warn_without_watchdog(config: pytest.Config, text: str) -> None:
+    """Say that a watchdog could not start, with a warning; where warnings are errors
+    (``-W error``, ``filterwarnings = error``), on stderr instead. Raised during
+    configure, the warning would end pytest with an INTERNALERROR before any test ran,
+    where the session runs on with its scopes enforced in-process."""
+    warning = pytest.PytestWarning(f"pytest-elastic-timer: {text}")
+    try:
+        config.issue_config_time_warning(warning, stacklevel=3)
+    except pytest.PytestWarning:
+        sys.stderr.write(f"{warning}\n")
 
 
 def _export(state: SessionState, values: dict[str, str | None]) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 
 from pytest_elastic_timer.core import hostid, records, startup, unpatched, wire
-from pytest_elastic_timer.plugin import launcher
+from pytest_elastic_timer.plugin import launcher, lifecycle
 from pytest_elastic_timer.plugin.state import SESSION, SessionState, worker_id
 from pytest_elastic_timer.scope import client, scopes
 
@@ -308,12 +308,10 @@ def join(config: pytest.Config, controller: Any) -> bool:
             gateway_fds=gateway_fds(config),
         )
     except (launcher.WatchdogError, OSError, ValueError) as exc:
-        config.issue_config_time_warning(
-            pytest.PytestWarning(
-                f"pytest-elastic-timer: no watchdog on this host ({exc}); scopes of "
-                f"worker {worker} are enforced in-process only"
-            ),
-            stacklevel=2,
+        lifecycle.warn_without_watchdog(
+            config,
+            f"no watchdog on this host ({exc}); scopes of worker {worker} are enforced "
+            "in-process only",
         )
         os.environ.pop(client.ENV_ADDRESS, None)  # the controller's: unreachable here
         return True
