@@ -804,6 +804,38 @@ def test_trace_merges_files_and_records(tmp_path: Path) -> None:
     assert page.count("<rect") >= 4 and "gw0 rank 3 (pid 11)" in page
 
 
+@pytest.mark.parametrize(
+    ("content", "said"),
+    [
+        (None, "cannot read the trace"),
+        ("{not json", "cannot read the trace"),
+        ("{}", "is not a trace written by --elastic-timer-trace"),
+        ('{"traceEvents": [{"ph": "X"}]}', "has an event this timeline cannot draw"),
+    ],
+    ids=["missing", "not-json", "not-a-trace", "bad-event"],
+)
+def test_the_timeline_command_names_a_file_it_cannot_draw(
+    tmp_path: Path, content: str | None, said: str
+) -> None:
+    """``python -m pytest_elastic_timer.ci.trace``: a file that is missing, not JSON or
+    not a trace is a usage error that names it (exit status 2), and no page is written.
+    A missing one was a traceback, and ``{}`` an empty page."""
+    path = tmp_path / "trace.json"
+    if content is not None:
+        path.write_text(content, encoding="utf-8")
+    page = tmp_path / "trace.html"
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest_elastic_timer.ci.trace", str(path), "--html", str(page)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert said in done.stderr and str(path) in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    assert not page.exists()
+
+
 def test_fallback_file_is_valid_xml_with_awkward_text(tmp_path: Path) -> None:
     path = tmp_path / "sub" / "junit.xml"
     stack = 'File "x.py", line 1 <&>\x00\x1b[31m'

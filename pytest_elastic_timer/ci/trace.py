@@ -485,10 +485,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("trace", help="a trace written by --elastic-timer-trace")
     parser.add_argument("--html", required=True, help="write an HTML timeline here")
     args = parser.parse_args(argv)
-    with open(args.trace, encoding="utf-8") as f:
-        trace = json.load(f)
-    with open(args.html, "w", encoding="utf-8") as f:
-        f.write(render_html(trace, title=os.path.basename(args.trace)))
+    try:
+        with open(args.trace, encoding="utf-8") as f:
+            trace = json.load(f)
+    except (OSError, ValueError) as exc:
+        parser.error(f"cannot read the trace {args.trace!r}: {exc}")
+    if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
+        parser.error(f"{args.trace!r} is not a trace written by --elastic-timer-trace")
+    try:
+        page = render_html(trace, title=os.path.basename(args.trace))
+    except (KeyError, TypeError, ValueError) as exc:
+        parser.error(f"{args.trace!r} has an event this timeline cannot draw: {exc!r}")
+    try:
+        with open(args.html, "w", encoding="utf-8") as f:
+            f.write(page)
+    except OSError as exc:
+        parser.error(f"cannot write {args.html!r}: {exc}")
     return 0
 
 
