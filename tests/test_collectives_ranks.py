@@ -207,28 +207,41 @@ import torch.distributed as dist
 
 from pytest_elastic_timer.scope import scopes
 
+from pytest_elastic_timer.core import collectives as col
+
 store = dist.FileStore(tempfile.mktemp(dir=os.getcwd()), 1)
 if sys.argv[1:] == ["named"]:
     scopes.set_label("trainer")
 state = scopes.process_state()  # the process's table exists before the group
 before = state.label
 dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-print(repr(before), repr(state.label))
+if sys.argv[1:] == ["named-later"]:
+    scopes.set_label("trainer")
+(path,) = col.ring_paths(os.path.dirname(os.environ["PYTEST_ELASTIC_TIMER"]), [os.getpid()])
+in_group, in_ring = state.label, col.read_ring(path).label
+dist.destroy_process_group()
+print(repr(before), repr(in_group), repr(in_ring), repr(state.label))
 state.close()
 """
 
 
 @pytest.mark.parametrize(
     ("args", "labels"),
-    [((), "'' 'rank 0'"), (("named",), "'trainer' 'trainer'")],
-    ids=["unnamed", "named"],
+    [
+        ((), "'' 'rank 0' 'rank 0' ''"),
+        (("named",), "'trainer' 'trainer' 'trainer' 'trainer'"),
+        (("named-later",), "'' 'trainer' 'trainer' 'trainer'"),
+    ],
+    ids=["unnamed", "named", "named-later"],
 )
 def test_init_process_group_names_the_process_after_its_rank(
     tmp_path: Path, args: tuple[str, ...], labels: str
 ) -> None:
     """A process whose scope table exists is labelled ``rank N`` by init_process_group
-    (its global rank); a label the process set itself stays. (No watchdog answers in
-    this directory: the process enforces its scopes in-process and says so.)"""
+    (its global rank), until destroy_process_group; a label the process set itself
+    stays, and its ring says it too, so that the records of the other ranks name it
+    so (they said ``rank 0``). (No watchdog answers in this directory: the process
+    enforces its scopes in-process and says so.)"""
     done = run_program(tmp_path, LABEL, *args)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == labels

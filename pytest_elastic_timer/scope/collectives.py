@@ -138,8 +138,8 @@ class Recorder:
             return None
         ring.set_text(ring_format.T_NODEID, _current_test())
         ring.set_text(ring_format.T_WORKER, os.environ.get("PYTEST_XDIST_WORKER", ""))
-        if ranklabel.label:
-            ring.set_text(ring_format.T_LABEL, ranklabel.label)
+        if ranklabel.own or ranklabel.label:
+            ring.set_text(ring_format.T_LABEL, ranklabel.own or ranklabel.label)
         self.ring = ring
         # A child that multiprocessing forked ends through os._exit, after its own exit
         # functions, not atexit's: a rank that returned is "exited" there too, and only
@@ -458,7 +458,8 @@ def _wrap_init(fn: Callable[..., Any]) -> Callable[..., Any]:
                 rank = _int(bound.get("rank"), os.environ.get("RANK"))
                 world = _int(bound.get("world_size"), os.environ.get("WORLD_SIZE"))
                 if rank >= 0:  # known before the rendezvous: name a rank stuck in it
-                    ring.set_rank(rank, max(world, 0), ranklabel.label or f"rank {rank}")
+                    label = ranklabel.own or ranklabel.label or f"rank {rank}"
+                    ring.set_rank(rank, max(world, 0), label)
                 if world > 0:
                     ring.add_group(ring_format.DEFAULT_GROUP, range(world))
                 serial = ring.begin(
@@ -500,7 +501,7 @@ def _adopt_rank(recorder: Recorder, begun: tuple[ring_format.RingWriter, int] | 
     label = f"rank {rank}"
     if begun is not None:
         ring, serial = begun
-        ring.set_rank(rank, world, label)
+        ring.set_rank(rank, world, ranklabel.own or label)
         recorder.group_name(None)  # the default group's members, in the ring
         ring.complete(serial)
     ranklabel.set_label(label)
@@ -515,6 +516,7 @@ def _wrap_destroy(fn: Callable[..., Any]) -> Callable[..., Any]:
             group = args[0] if args else kwargs.get("group")
             if group is None:
                 recorder.reset()
+                ranklabel.set_label("")  # no rank any more
             else:
                 recorder.groups.pop(group, None)
         return result
@@ -564,7 +566,15 @@ def install() -> bool:
     _recorder = Recorder(dist)
     atexit.register(_at_exit)
     afterfork.call_in_child(_after_fork)
+    ranklabel.own_listeners.append(_relabel_ring)
     return True
+
+
+def _relabel_ring(label: str) -> None:
+    """The process named itself ``label``: its ring says so from now on."""
+    recorder = _recorder
+    if recorder is not None and recorder.ring is not None and recorder.pid == unpatched.getpid():
+        recorder.ring.set_text(ring_format.T_LABEL, label)
 
 
 def _at_exit() -> None:

@@ -646,14 +646,16 @@ def set_label(label: str) -> None:
     state = process_state()
     state.set_label(label)
     state.label_given = True
+    ranklabel.set_own(label)
 
 
 def _label_rank(label: str) -> None:
     """init_process_group named this process ``rank N``: its reports say so too,
-    unless it set a label of its own."""
+    unless it set a label of its own; after destroy_process_group ("") they say what
+    they said before."""
     state = _state
     if state is not None and not state.label_given:
-        state.set_label(label)
+        state.set_label(label or client.label_from_env())
 
 
 ranklabel.listeners.append(_label_rank)
