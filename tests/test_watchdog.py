@@ -38,7 +38,7 @@ from pytest_elastic_timer.ci.reports import report_schema
 from pytest_elastic_timer.core import records, startup, wire
 from pytest_elastic_timer.core import table as tbl
 from pytest_elastic_timer.scope.client import ENV_ADDRESS
-from pytest_elastic_timer.watchdog import proctree
+from pytest_elastic_timer.watchdog import dumps, proctree
 from pytest_elastic_timer.watchdog.loop import Loop, ManualClock
 from pytest_elastic_timer.watchdog.server import Watchdog
 
@@ -845,6 +845,25 @@ signal.signal(signal.SIGUSR2, lambda signum, frame: None)
 print("ready", flush=True)
 time.sleep(60)
 """
+
+
+def test_a_dump_read_for_a_record_is_the_one_asked_for(tmp_path: Path) -> None:
+    """The stacks of a rank are read for the record after the grace, when a later
+    expiry may have asked the same rank for another dump: the record has the dump of
+    its own expiry alone. It had both."""
+    path = tmp_path / "dump-1"
+    path.write_text("earlier test's dump\n", encoding="utf-8")
+    offset = path.stat().st_size
+    asked = dumps.AskedDumps(give_up=0.0)
+    asked.dumps.append(dumps.ChildDump({"pid": 1}, str(path), offset, peer=True))
+    first = 'Current thread 0x1 (most recent call first):\n  File "a.py", line 1 in f\n'
+    second = 'Current thread 0x1 (most recent call first):\n  File "b.py", line 2 in g\n'
+    with path.open("a", encoding="utf-8") as f:
+        f.write(first)
+    asked.settle()
+    with path.open("a", encoding="utf-8") as f:
+        f.write(second)
+    assert [p["stack"] for p in asked.peers()] == [first]
 
 
 def test_a_zombie_is_not_asked_for_its_stacks() -> None:

@@ -129,12 +129,15 @@ class Dumper:
         """Wait until the asked dump files have stopped growing (until ``PATIENCE``
         after they were asked for, at most)."""
         sizes: list[int] = []
-        while asked.waiting() and self.clock() < asked.give_up:
-            yield 0.01
-            now_sizes = asked.sizes()
-            if asked.begun() and now_sizes == sizes:
-                return
-            sizes = now_sizes
+        try:
+            while asked.waiting() and self.clock() < asked.give_up:
+                yield 0.01
+                now_sizes = asked.sizes()
+                if asked.begun() and now_sizes == sizes:
+                    return
+                sizes = now_sizes
+        finally:
+            asked.settle()
 
 
 @dataclass
@@ -148,6 +151,9 @@ class ChildDump:
     signum: int = 0
     main_blocks: bool = False  # its main thread blocked the signal before it was sent
     peer: bool = False  # another rank of the owner's world, not below the owner
+    # The file's size once the dump was written (0: not known yet). The file is read
+    # later, for the record, when a later expiry may have asked for another dump.
+    end: int = 0
 
     def written(self) -> bool:
         """Whether the dump was written out: the file grew, and the signal is neither
@@ -190,6 +196,13 @@ class AskedDumps:
         """Whether every asked process has written its dump out."""
         return all(d.written() for d in self.waiting())
 
+    def settle(self) -> None:
+        """The dumps are written (or waited for long enough): each ends where its file
+        ends now."""
+        for dump in self.waiting():
+            if not dump.end:
+                dump.end = _size(dump.path)
+
     def children(self) -> list[dict[str, Any]]:
         """Each process below the owner with the stack written so far (where one was
         asked for)."""
@@ -206,17 +219,19 @@ class AskedDumps:
                 continue
             info = dict(dump.info)
             if dump.path:
-                info["stack"] = read_from(dump.path, dump.offset)
+                info["stack"] = read_from(dump.path, dump.offset, dump.end)
             out.append(info)
         return out
 
 
-def read_from(path: str, offset: int) -> str:
-    """The dump appended to ``path`` after ``offset``, trimmed ("" if unreadable)."""
+def read_from(path: str, offset: int, end: int = 0) -> str:
+    """The dump appended to ``path`` after ``offset`` (up to ``end``, where known),
+    trimmed ("" if unreadable)."""
+    size = 256 * 1024 if end <= offset else min(end - offset, 256 * 1024)
     try:
         with open(path, "rb") as f:
             f.seek(offset)
-            return trim_dump(f.read(256 * 1024).decode("utf-8", "replace"))
+            return trim_dump(f.read(size).decode("utf-8", "replace"))
     except OSError:
         return ""
 
