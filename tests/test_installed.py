@@ -228,6 +228,40 @@ def test_a_descriptor_above_the_limit_on_open_files_does_not_keep_the_watchdog_f
     assert (record["scope"], record["action"]) == ("test_expires::call", "interrupted")
 
 
+SCRIPT = """
+import os
+import sys
+
+import pytest
+
+before = sorted(os.listdir("/proc/self/fd")), list(sys.meta_path)
+for _ in range(3):
+    assert pytest.main(["-q", "-p", "no:cacheprovider", "-p", "no:asyncio", "test_one.py"]) == 0
+after = sorted(os.listdir("/proc/self/fd")), list(sys.meta_path)
+print("SAME" if after == before else f"CHANGED {before} {after}")
+"""
+
+
+def test_pytest_main_in_a_script_leaves_the_process_as_it_found_it(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A script that runs pytest.main() and goes on: each session's watchdog is let go
+    (no descriptor of it stays open), and the import hook that waits for
+    torch.distributed goes with its session. Both stayed, for the rest of the script."""
+    # A script run from a shell: no session of this suite's around it.
+    for name in [n for n in os.environ if n.startswith("PYTEST_ELASTIC_TIMER")]:
+        monkeypatch.delenv(name)
+    monkeypatch.delenv("TORCHELASTIC_TIMER_FILE", raising=False)
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    shadowing = os.path.join("pytest_elastic_timer", "core", "pythonpath")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in paths if shadowing not in p))
+    pytester.makepyfile(test_one="def test_one():\n    pass\n")
+    script = pytester.makepyfile(script=SCRIPT)
+    result = pytester.run(sys.executable, script, timeout=60)
+    assert result.ret == 0, result.stderr.str()
+    result.stdout.fnmatch_lines(["SAME"])
+
+
 SHADOWED_SUITE = """
 import time
 

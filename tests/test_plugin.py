@@ -27,7 +27,7 @@ from helpers import (
     wait_gone,
 )
 
-from pytest_elastic_timer.plugin import launcher
+from pytest_elastic_timer.plugin import launcher, leaks
 
 BEFORE = """
 def test_before():
@@ -1844,19 +1844,32 @@ def test_a_piped_session_ends_while_its_watchdog_still_works(pytester: pytest.Py
         os.waitpid(stray, 0)
 
 
-def test_a_session_with_nothing_to_read_back_does_not_wait_for_its_watchdog() -> None:
+@pytest.mark.parametrize("subreaper", [False, True], ids=["orphan", "adopted"])
+def test_a_session_with_nothing_to_read_back_does_not_wait_for_its_watchdog(
+    subreaper: bool,
+) -> None:
     """Stopping a watchdog sends the stop command and returns: without a report to read
     back nothing waits for it. It ends by itself (its socket was listening before it
-    ran), removes its directory, and is reaped by the next start or stop."""
-    handle = launcher.start(grace=1.0, scale=1.0, report=None, session={})
-    assert os.path.exists(handle.address)  # listening before the process ran
-    assert handle.stop({}, wait=False) is None
-    assert handle.returncode is None  # not waited for
-    assert wait_gone(handle.pid, 20.0), "the stopped watchdog did not end by itself"
-    launcher.reap_stopped()
-    assert handle.returncode == 0
-    assert handle.pid not in {c.pid for c in psutil.Process().children()}  # reaped
-    assert not os.path.exists(handle.directory)
+    ran) and removes its directory. Where this process adopted it (a subreaper), it is
+    reaped by the next start or stop; else nothing of it is kept, its pidfd neither."""
+    watch = leaks.Watch()
+    if subreaper:
+        watch.adopt_orphans()
+    adopting = leaks.is_subreaper()  # (the session running this test may be one)
+    try:
+        handle = launcher.start(grace=1.0, scale=1.0, report=None, session={})
+        assert os.path.exists(handle.address)  # listening before the process ran
+        pid = handle.pid
+        assert handle.stop({}, wait=False) is None
+        assert handle.returncode is None  # not waited for
+        assert (handle.pidfd >= 0) == adopting  # kept only to be reaped
+        assert wait_gone(pid, 20.0), "the stopped watchdog did not end by itself"
+        launcher.reap_stopped()
+        assert handle.returncode == (0 if adopting else None)
+        assert pid not in {c.pid for c in psutil.Process().children()}  # reaped
+        assert not os.path.exists(handle.directory)
+    finally:
+        watch.leave()
 
 
 def test_without_pidfds_the_watchdog_is_a_child_reaped_at_its_stop(

@@ -74,7 +74,7 @@ class Finder:
     ) -> ModuleSpec | None:
         if fullname != TARGET:
             return None
-        _unwatch()
+        unwatch()
         for finder in sys.meta_path:
             find_spec = getattr(finder, "find_spec", None)
             if find_spec is None:
@@ -88,13 +88,18 @@ class Finder:
         return None
 
 
-def _unwatch() -> None:
+def unwatch() -> None:
+    """Stop waiting for torch.distributed to be imported (once it is; or a session
+    that ends in a process that goes on: ``pytest.main()`` in a script)."""
     sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, _MARK, False)]
 
 
-def watch() -> None:
-    """Install the recorder once torch.distributed is imported (now, if it is)."""
+def watch() -> bool:
+    """Install the recorder once torch.distributed is imported (now, if it is). True
+    if this call put the finder on ``sys.meta_path``."""
     if TARGET in sys.modules:
         on_import(sys.modules[TARGET])
     elif not any(getattr(f, _MARK, False) for f in sys.meta_path):
         sys.meta_path.insert(0, Finder())
+        return True
+    return False

@@ -117,7 +117,8 @@ def pytest_configure(config: pytest.Config) -> None:
 def _after_watchdog_start(state: SessionState) -> None:
     if state.watchdog is not None:
         scopes.process_state().set_nodeid("")  # register now; not the outer session's test
-        torch_hook.watch()  # torch.distributed's ops in this process are recorded too
+        # torch.distributed's ops in this process are recorded too.
+        state.watching_torch = torch_hook.watch()
 
 
 def _register_xdist_hooks(config: pytest.Config) -> ModuleType:
@@ -356,6 +357,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
             lifecycle.report_without_watchdog(config, state, end)
         lifecycle.stop_watchdog(config, state, end)
     lifecycle.restore_environment(state)
+    if state.watching_torch:
+        torch_hook.unwatch()
     # The process as the session found it (a pytest run inside a test of another).
     state.put_back_scopes()
     state.put_back_naming()

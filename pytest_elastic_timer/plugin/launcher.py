@@ -167,12 +167,33 @@ class WatchdogHandle:
             os.close(self.control)
             self.control = -1
         if not wait and self.pidfd >= 0 and self.alive():
+            if self.detached and not self._adopted():
+                # Nobody's child here: nothing to reap, and it removes its directory
+                # as it ends (sweep_stale, one it left). The process may go on after
+                # its session (pytest.main() in a script): no descriptor stays open.
+                os.close(self._pidfd)
+                self._pidfd = -1
+                return None
             _unreaped.append(self)
             return None
         if self.returncode is None and not self._wait(STOP_TIMEOUT):
             self._kill()
         self._reap(block=True)
         return self.returncode
+
+    def _adopted(self) -> bool:
+        """Whether this process adopted its detached watchdog (it was a subreaper when
+        the watchdog's shell ended: the leak check of a session that uses the plugin),
+        and so is to reap it."""
+        if _waitid is None:
+            return True  # cannot tell: kept, and reaped if it is a child
+        try:
+            _waitid(os.P_PIDFD, self.pidfd, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return False
+        except OSError:
+            return True
+        return True
 
     def discard(self) -> None:
         """End a watchdog that has served nobody at once (SIGKILL), reap it and remove

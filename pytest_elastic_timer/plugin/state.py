@@ -46,6 +46,9 @@ class SessionState:
         # and the like): it leaves the process to that session.
         self.has_no_session_of_its_own = has_no_session_of_its_own
         self.watchdog: launcher.WatchdogHandle | None = None
+        # The session put the finder on sys.meta_path that waits for torch.distributed
+        # (core/torch_hook.py): it takes it away at its end.
+        self.watching_torch = False
         # A session run in-process by a test whose watchdog is to start only once a
         # test needs it (see lifecycle.defer_watchdog); False once it started.
         self.watchdog_on_demand = False
