@@ -810,9 +810,11 @@ def test_trace_merges_files_and_records(tmp_path: Path) -> None:
         (None, "cannot read the trace"),
         ("{not json", "cannot read the trace"),
         ("{}", "is not a trace written by --elastic-timer-trace"),
+        ('{"traceEvents": [1, null]}', "is not a trace written by --elastic-timer-trace"),
+        ("[" * 100_000 + "]" * 100_000, "cannot read the trace"),
         ('{"traceEvents": [{"ph": "X"}]}', "has an event this timeline cannot draw"),
     ],
-    ids=["missing", "not-json", "not-a-trace", "bad-event"],
+    ids=["missing", "not-json", "not-a-trace", "not-events", "nested-too-deep", "bad-event"],
 )
 def test_the_timeline_command_names_a_file_it_cannot_draw(
     tmp_path: Path, content: str | None, said: str

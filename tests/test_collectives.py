@@ -782,6 +782,19 @@ def test_an_isend_never_waited_for_is_not_where_its_rank_blocks(ranks: Any) -> N
     )
 
 
+def test_async_collectives_are_waited_for_oldest_first(ranks: Any) -> None:
+    """Rank 0 issued all_reduce #3 to #5 with async_op=True and waits for #3; rank 1
+    never got past #2. The first op where they part is #3."""
+    zero, one = ranks(2)
+    for rank in (zero, one):
+        rank.op("all_reduce")
+        rank.op("all_reduce")
+    for _ in range(3):
+        zero.op("all_reduce", done=False)
+    found = col.align(rings([zero, one]), NOW)
+    assert found is not None and where_and_who(found) == ("all_reduce", 3, [0], [1])
+
+
 def test_the_owners_collective_is_the_one_of_its_record(ranks: Any) -> None:
     """Two groups hang, each for a reason of its own: the record of a scope of rank 2
     names rank 2's collective, whichever rank has waited longest. It named group 1's,

@@ -189,6 +189,20 @@ def test_expires():
 """
 
 
+HELD_SUITE = """
+import os
+import time
+
+
+def test_the_watchdog_holds_none_of_it(elastic_timer_server):
+    held = f"/proc/{elastic_timer_server.pid}/fd/300"
+    give_up = time.monotonic() + 10  # (closed as the watchdog starts)
+    while os.path.exists(held) and time.monotonic() < give_up:
+        time.sleep(0.01)
+    assert not os.path.exists(held)
+"""
+
+
 def test_a_watchdog_that_cannot_start_under_warnings_as_errors_leaves_the_session_running(
     pytester: pytest.Pytester,
 ) -> None:
@@ -211,9 +225,10 @@ def test_a_descriptor_above_the_limit_on_open_files_does_not_keep_the_watchdog_f
     pytester: pytest.Pytester,
 ) -> None:
     """pytest started with a descriptor open above its (lowered) limit on open files,
-    which posix_spawn cannot close in the watchdog: the watchdog starts all the same
-    and ends the test at its deadline. It did not start."""
-    pytester.makepyfile(test_expiring=EXPIRING_SUITE)
+    which posix_spawn cannot close in the watchdog: the watchdog starts all the same,
+    closes that descriptor itself, and ends the test at its deadline. It did not
+    start."""
+    pytester.makepyfile(test_expiring=EXPIRING_SUITE, test_held=HELD_SUITE)
     report = pytester.path / "report.json"
     command = (
         f"exec 300</dev/null; ulimit -n 256; exec {sys.executable} -m pytest -p no:cacheprovider"
@@ -226,6 +241,7 @@ def test_a_descriptor_above_the_limit_on_open_files_does_not_keep_the_watchdog_f
     assert "elastic-timer: watchdog pid" in run.stdout, run.stdout
     (record,) = json.loads(report.read_text(encoding="utf-8"))["expired"]
     assert (record["scope"], record["action"]) == ("test_expires::call", "interrupted")
+    assert "1 failed, 1 passed" in run.stdout, run.stdout
 
 
 SCRIPT = """

@@ -14,6 +14,7 @@ which imports nothing of pytest.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -24,6 +25,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -472,6 +474,36 @@ def test_a_failing_step_of_an_escalation_leaves_the_scope_enforced(
     assert "RecursionError: a defect" in capsys.readouterr().err
 
 
+def test_after_a_failed_step_the_report_of_an_owner_interrupted_on_its_channel_is_awaited(
+    step: Stepper, connection: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An owner without a signal is interrupted on its channel and reports once its
+    scope has unwound; a step that fails after the interrupt (its ranks' stacks) leaves
+    that report awaited, and it is the record. It was let go as a scope unwound by an
+    enclosing one, and the record was lost."""
+    dog = step.dog
+    monkeypatch.setattr(dog.ladder, "peers_of", _a_defect)
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    hello = wire.encode("hello", pid=os.getpid(), table=connection.path, dump="")
+    wire.send_with_fds(connection.sock, hello, [theirs.fileno()])
+    theirs.close()
+    step.turn()
+    try:
+        connection.open_scope(0.1, serial=7)
+        step.elapse(0.1)
+        assert mine.recv(16) == b"\0"  # the interrupt
+        connection.leave_scope()
+        step.elapse(0.5)
+        assert dog.records == []
+        connection.send(wire.encode("expired", serial=7, scope="scope-7", stack="the stack"))
+        step.elapse(0.02)
+        (record,) = dog.records
+        assert (record.action, record.stack) == ("interrupted", "the stack")
+        assert len(dog.internal_errors) == 1
+    finally:
+        mine.close()
+
+
 def test_a_scope_closed_in_time_costs_nothing(
     step: Stepper, client: Client, interrupts: list[float]
 ) -> None:
@@ -854,13 +886,17 @@ def test_a_dump_read_for_a_record_is_the_one_asked_for(tmp_path: Path) -> None:
     path = tmp_path / "dump-1"
     path.write_text("earlier test's dump\n", encoding="utf-8")
     offset = path.stat().st_size
-    asked = dumps.AskedDumps(give_up=0.0)
-    asked.dumps.append(dumps.ChildDump({"pid": 1}, str(path), offset, peer=True))
+    dumper = dumps.Dumper(str(tmp_path), 0, time.monotonic)
+    asked = dumps.AskedDumps(give_up=time.monotonic() + 5.0)
+    # (This process, with a signal it neither blocks nor has pending: written out.)
+    dump = dumps.ChildDump({"pid": 1}, str(path), offset, os.getpid(), signal.SIGUSR2)
+    asked.dumps.append(dataclasses.replace(dump, peer=True))
     first = 'Current thread 0x1 (most recent call first):\n  File "a.py", line 1 in f\n'
     second = 'Current thread 0x1 (most recent call first):\n  File "b.py", line 2 in g\n'
     with path.open("a", encoding="utf-8") as f:
         f.write(first)
-    asked.settle()
+    for _ in dumper.finished(asked):  # the ladder's wait until the dumps stop growing
+        pass
     with path.open("a", encoding="utf-8") as f:
         f.write(second)
     assert [p["stack"] for p in asked.peers()] == [first]

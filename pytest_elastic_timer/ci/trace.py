@@ -488,13 +488,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with open(args.trace, encoding="utf-8") as f:
             trace = json.load(f)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         parser.error(f"cannot read the trace {args.trace!r}: {exc}")
-    if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
+    events = trace.get("traceEvents") if isinstance(trace, dict) else None
+    if not isinstance(events, list) or not all(isinstance(e, dict) for e in events):
         parser.error(f"{args.trace!r} is not a trace written by --elastic-timer-trace")
     try:
         page = render_html(trace, title=os.path.basename(args.trace))
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         parser.error(f"{args.trace!r} has an event this timeline cannot draw: {exc!r}")
     try:
         with open(args.html, "w", encoding="utf-8") as f:

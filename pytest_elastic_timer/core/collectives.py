@@ -342,13 +342,15 @@ class Ring:
         return self.entries
 
     def blocked(self) -> Entry | None:
-        """The op this rank is blocked in: its newest op if that has not ended (an op
-        that returns at once, an isend never waited for, stays open behind it), else
-        its oldest op that has not ended (the one a ``wait()`` is most likely on)."""
-        current = self.current()
-        if current and current[-1].started:
-            return current[-1]
-        return next((e for e in current if e.started), None)
+        """The op this rank is blocked in: its oldest op that has not ended, but for a
+        send or receive with a later op open behind it (an ``isend`` never waited for
+        stays open while its rank goes on to other ops; collectives issued with
+        ``async_op=True`` are waited for oldest first)."""
+        started = [e for e in self.current() if e.started]
+        for entry in started[:-1]:
+            if entry.kind not in (SEND, RECV):
+                return entry
+        return started[-1] if started else None
 
     def last(self) -> Entry | None:
         current = self.current()

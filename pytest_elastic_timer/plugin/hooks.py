@@ -94,10 +94,14 @@ def pytest_configure(config: pytest.Config) -> None:
     scopes.expiry_listeners.append(state.expiry_listener)
     if not state.ends_with_its_process and not state.has_no_session_of_its_own:
         state.put_back_naming = scopes.name_afresh()  # run by a test: as a session of its own
-    watch = state.leak_watch = leaks.Watch()
+    state.leak_watch = leaks.Watch()
     state.used = any_given(config)
-    if settings.leaks in ("warn", "kill") or (settings.leaks == "auto" and state.used):
-        watch.adopt_orphans()
+    # Orphans are adopted from the end of collection on (where the watchdog's shell has
+    # been reaped: the watchdog it leaves is not adopted, nor left to be reaped), before
+    # any test runs; under auto, from the first test that uses the plugin.
+    state.adopts_orphans = settings.leaks in ("warn", "kill") or (
+        settings.leaks == "auto" and state.used
+    )
     if is_worker(config):
         xdist_support = _register_xdist_hooks(config)
         xdist_support.configure_worker(config)
@@ -208,6 +212,8 @@ def pytest_collection(session: pytest.Session) -> Generator[None, None, None]:
         # Before any test runs: the header (where pytest asks for the pid) is not
         # written under -q or --no-header.
         state.watchdog.reap_its_shell()
+    if state.adopts_orphans and state.leak_watch is not None:
+        state.leak_watch.adopt_orphans()
     return collected
 
 

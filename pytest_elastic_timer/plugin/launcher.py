@@ -106,6 +106,9 @@ class WatchdogHandle:
         # Its exit status once it ended; for a detached one, whose status is its new
         # parent's to read, 0 if it ended by itself (it removes its directory), else -1.
         self.returncode: int | None = None
+        # Stopped without waiting, and nothing of it kept (see stop): nothing more to
+        # learn of it here, and its pid may be another process's by now.
+        self.let_go = False
 
     @property
     def pid(self) -> int:
@@ -148,7 +151,7 @@ class WatchdogHandle:
         return os.path.join(self.directory, "records.jsonl")
 
     def alive(self) -> bool:
-        if self.returncode is not None:
+        if self.returncode is not None or self.let_go:
             return False
         if self.pidfd >= 0:
             return not _select([self.pidfd], [], [], 0)[0]
@@ -166,6 +169,8 @@ class WatchdogHandle:
                 os.write(self.control, command)
             os.close(self.control)
             self.control = -1
+        if self.let_go:
+            return None
         if not wait and self.pidfd >= 0 and self.alive():
             if self.detached and not self._adopted():
                 # Nobody's child here: nothing to reap, and it removes its directory
@@ -173,6 +178,7 @@ class WatchdogHandle:
                 # its session (pytest.main() in a script): no descriptor stays open.
                 os.close(self._pidfd)
                 self._pidfd = -1
+                self.let_go = True
                 return None
             _unreaped.append(self)
             return None
@@ -201,6 +207,8 @@ class WatchdogHandle:
         if self.control >= 0:
             os.close(self.control)
             self.control = -1
+        if self.let_go:
+            return
         if self.returncode is None:
             self._kill()
         self._reap(block=True)
@@ -226,6 +234,8 @@ class WatchdogHandle:
         """Collect the watchdog's exit status if it has ended (waiting for it with
         ``block``); whether it has. Once ended, its directory goes too: a watchdog
         removes it itself, unless it never ran or was killed."""
+        if self.let_go:
+            return True  # not known here, nor to be removed: it may still run
         if self.returncode is None and self.detached and self.pidfd >= 0:
             if not _select([self.pidfd], [], [], None if block else 0)[0]:
                 return False
@@ -273,7 +283,7 @@ def _inheritable_fds(keep: set[int]) -> list[int]:
 
     Not one at or above the soft limit on open files (opened before the limit was
     lowered): ``posix_spawn`` refuses to close it (EBADF), and the watchdog would not
-    start at all. It stays open in the watchdog."""
+    start at all. The watchdog closes those itself as it starts."""
     try:
         names = unpatched.listdir("/proc/self/fd")
     except OSError:
@@ -539,7 +549,8 @@ _WATCHDOG_MODULE = (
     else [
         sys.executable,
         "-c",
-        "import runpy, sys; del sys.path[0]; "
+        # sys is built in; runpy, and what it imports, comes after the directory went.
+        "import sys; del sys.path[0]; import runpy; "
         "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)",
         "pytest_elastic_timer.watchdog",
     ]

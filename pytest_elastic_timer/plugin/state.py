@@ -71,6 +71,7 @@ class SessionState:
         self.put_back_scopes: Callable[[], None] = _nothing
         self.put_back_naming: Callable[[], None] = _nothing
         self.leak_watch: leaks.Watch | None = None  # None: no session runs (--help)
+        self.adopts_orphans = False  # from the end of collection on (warn, kill)
         # Whether the session uses the plugin (see uses_plugin); once True, it stays.
         self.used = False
         # Failed tests and the expired scopes that failed them (controller or only

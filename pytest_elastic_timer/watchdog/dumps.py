@@ -151,9 +151,9 @@ class ChildDump:
     signum: int = 0
     main_blocks: bool = False  # its main thread blocked the signal before it was sent
     peer: bool = False  # another rank of the owner's world, not below the owner
-    # The file's size once the dump was written (0: not known yet). The file is read
-    # later, for the record, when a later expiry may have asked for another dump.
-    end: int = 0
+    # The file's size once the dump was written out (None: not known). The file is
+    # read later, for the record, when a later expiry may have asked for another dump.
+    end: int | None = None
 
     def written(self) -> bool:
         """Whether the dump was written out: the file grew, and the signal is neither
@@ -197,10 +197,10 @@ class AskedDumps:
         return all(d.written() for d in self.waiting())
 
     def settle(self) -> None:
-        """The dumps are written (or waited for long enough): each ends where its file
-        ends now."""
+        """Each dump written out by now ends where its file ends now; one that is not
+        is read as far as it got when the record is made."""
         for dump in self.waiting():
-            if not dump.end:
+            if dump.end is None and dump.written():
                 dump.end = _size(dump.path)
 
     def children(self) -> list[dict[str, Any]]:
@@ -224,10 +224,10 @@ class AskedDumps:
         return out
 
 
-def read_from(path: str, offset: int, end: int = 0) -> str:
+def read_from(path: str, offset: int, end: int | None = None) -> str:
     """The dump appended to ``path`` after ``offset`` (up to ``end``, where known),
     trimmed ("" if unreadable)."""
-    size = 256 * 1024 if end <= offset else min(end - offset, 256 * 1024)
+    size = 256 * 1024 if end is None else min(max(end - offset, 0), 256 * 1024)
     try:
         with open(path, "rb") as f:
             f.seek(offset)

@@ -52,6 +52,7 @@ class Ladder:
         read_pending: Callable[[Owner], None],
         ending_root: Callable[[], None],
         peers_of: Callable[[Owner], list[int]] = lambda owner: [],
+        on_error: Callable[[Exception, str], None] | None = None,
     ) -> None:
         self.clock = clock
         self.dumper = dumper
@@ -61,6 +62,8 @@ class Ladder:
         self.read_pending = read_pending  # reads what a connected owner sent, unread yet
         self.ending_root = ending_root  # about to end pytest: report now, not after
         self.peers_of = peers_of  # the other ranks of an owner's world (their pids)
+        # Says a defect in a step that only adds to a record, which is then left out.
+        self.on_error = on_error
 
     def steps(
         self, owner: Owner, expiry: Expiry, *, interrupt: bool = True, dumps: bool | None = None
@@ -77,10 +80,12 @@ class Ladder:
                 expiry.read_children = asked.children
                 yield from self.dumper.written(asked)
         interruptible = owner.interruptible()
-        by_channel = interrupt and not table.words[tbl.H_INTERRUPT_SIG] and interruptible
         if interrupt:
+            expiry.by_channel = not table.words[tbl.H_INTERRUPT_SIG] and interruptible
             owner.interrupt()
             expiry.interrupted = True
+        # (Also for the plain ladder that goes on after a failed step: see Scanner.)
+        by_channel = expiry.by_channel
         if with_dumps:
             # The other ranks of its world once it is interrupted: finding them reads
             # the rings, which must not hold the interrupt back.
@@ -112,7 +117,13 @@ class Ladder:
             if now >= grace_end:
                 break
             yield min(CHECK_EVERY, grace_end - now)
-        stack = yield from self.dumper.owner(owner)
+        try:
+            stack = yield from self.dumper.owner(owner)
+        except Exception as exc:
+            if not expiry.plain:
+                raise  # the plain ladder goes on (Scanner.advance)
+            self._failed(exc, f"the stacks of the owner of scope {expiry.path!r}")
+            stack = ""
         stack = stack or expiry.reported_stack()
         yield from self._terminate(owner, expiry, stack)
 
@@ -177,11 +188,19 @@ class Ladder:
             forget(owner, expiry)
         else:
             expiry.recorded = True
-        if expiry.read_children is not None:
-            expiry.children = expiry.read_children()
-        if expiry.read_peers is not None:
-            expiry.peers = expiry.read_peers()
+        try:
+            if expiry.read_children is not None:
+                expiry.children = expiry.read_children()
+            if expiry.read_peers is not None:
+                expiry.peers = expiry.read_peers()
+        except Exception as exc:  # the record is kept without them
+            self._failed(exc, f"the stacks of the processes around scope {expiry.path!r}")
         return self.recorder.expired(owner, expiry, action, stack, ended)
+
+    def _failed(self, exc: Exception, what: str) -> None:
+        if self.on_error is None:
+            raise exc
+        self.on_error(exc, what)
 
 
 def closed(owner: Owner, expiry: Expiry) -> bool:

@@ -53,6 +53,7 @@ class Expiry:
     read_peers: Callable[[], list[dict[str, Any]]] | None = None
     recorded: bool = False  # a preliminary record was written
     interrupted: bool = False  # the owner was sent its interrupt
+    by_channel: bool = False  # ... on its connection (it has no signal): it reports later
     # A step failed: the escalation went on without the other processes' stacks.
     plain: bool = False
     steps: Generator[float, None, None] | None = None  # the ladder, step by step

@@ -108,6 +108,7 @@ class Watchdog:
             read_pending=self._read_pending,
             ending_root=self._ending_root,
             peers_of=self._peers_of,
+            on_error=self.loop.report_error,
         )
         self.scanner = Scanner(self.loop, self.owners, self.ladder, grace)
         self.connections = Connections(
