@@ -247,23 +247,31 @@ def test_a_descriptor_above_the_limit_on_open_files_does_not_keep_the_watchdog_f
 SCRIPT = """
 import os
 import sys
+import time
 
 import pytest
 
-before = sorted(os.listdir("/proc/self/fd")), list(sys.meta_path)
+import psutil
+
+before = sorted(os.listdir("/proc/self/fd")), list(sys.meta_path), psutil.Process().children()
 for _ in range(3):
-    assert pytest.main(["-q", "-p", "no:cacheprovider", "-p", "no:asyncio", "test_one.py"]) == 0
-after = sorted(os.listdir("/proc/self/fd")), list(sys.meta_path)
+    args = ["-q", "-p", "no:cacheprovider", "-p", "no:asyncio", *sys.argv[1:], "test_one.py"]
+    assert pytest.main(args) == 0
+time.sleep(1.0)  # the watchdogs stopped: they end within moments
+after = sorted(os.listdir("/proc/self/fd")), list(sys.meta_path), psutil.Process().children()
 print("SAME" if after == before else f"CHANGED {before} {after}")
 """
 
 
+@pytest.mark.parametrize("leaks", [[], ["--elastic-timer-leaks=warn"]], ids=["auto", "warn"])
 def test_pytest_main_in_a_script_leaves_the_process_as_it_found_it(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, leaks: list[str]
 ) -> None:
     """A script that runs pytest.main() and goes on: each session's watchdog is let go
-    (no descriptor of it stays open), and the import hook that waits for
-    torch.distributed goes with its session. Both stayed, for the rest of the script."""
+    (no descriptor of it stays open, and no zombie: a session that adopts orphans does
+    so once the watchdog's shell is reaped), and the import hook that waits for
+    torch.distributed goes with its session. All three stayed, for the rest of the
+    script."""
     # A script run from a shell: no session of this suite's around it.
     for name in [n for n in os.environ if n.startswith("PYTEST_ELASTIC_TIMER")]:
         monkeypatch.delenv(name)
@@ -273,7 +281,7 @@ def test_pytest_main_in_a_script_leaves_the_process_as_it_found_it(
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in paths if shadowing not in p))
     pytester.makepyfile(test_one="def test_one():\n    pass\n")
     script = pytester.makepyfile(script=SCRIPT)
-    result = pytester.run(sys.executable, script, timeout=60)
+    result = pytester.run(sys.executable, script, *leaks, timeout=60)
     assert result.ret == 0, result.stderr.str()
     result.stdout.fnmatch_lines(["SAME"])
 
