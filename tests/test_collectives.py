@@ -782,6 +782,19 @@ def test_an_isend_never_waited_for_is_not_where_its_rank_blocks(ranks: Any) -> N
     )
 
 
+def test_a_batch_of_sends_and_receives_never_waited_for_is_not_where_its_rank_blocks(
+    ranks: Any,
+) -> None:
+    """As an isend: a batch_isend_irecv whose requests were never waited for stays
+    open while its rank goes on to the all_reduce it blocks in."""
+    zero, one = ranks(2)
+    zero.op("batch_isend_irecv", kind=col.OTHER, done=False)
+    one.op("batch_isend_irecv", kind=col.OTHER)
+    zero.op("all_reduce", done=False)
+    found = col.align(rings([zero, one]), NOW)
+    assert found is not None and where_and_who(found) == ("all_reduce", 1, [0], [1])
+
+
 def test_async_collectives_are_waited_for_oldest_first(ranks: Any) -> None:
     """Rank 0 issued all_reduce #3 to #5 with async_op=True and waits for #3; rank 1
     never got past #2. The first op where they part is #3."""

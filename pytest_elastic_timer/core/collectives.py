@@ -343,12 +343,12 @@ class Ring:
 
     def blocked(self) -> Entry | None:
         """The op this rank is blocked in: its oldest op that has not ended, but for a
-        send or receive with a later op open behind it (an ``isend`` never waited for
-        stays open while its rank goes on to other ops; collectives issued with
-        ``async_op=True`` are waited for oldest first)."""
+        send or receive (or a batch of them) with a later op open behind it (an
+        ``isend`` never waited for stays open while its rank goes on to other ops;
+        collectives issued with ``async_op=True`` are waited for oldest first)."""
         started = [e for e in self.current() if e.started]
         for entry in started[:-1]:
-            if entry.kind not in (SEND, RECV):
+            if entry.kind not in (SEND, RECV, OTHER):
                 return entry
         return started[-1] if started else None
 

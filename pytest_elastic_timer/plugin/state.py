@@ -129,7 +129,9 @@ class SessionState:
         """Before a test's call phase: under ``auto``, adopt orphaned descendants from
         the first test on which the session uses the plugin."""
         watch = self.leak_watch
-        if watch is not None and not watch.adopting and self.uses_plugin():
+        # (adopts_orphans: also for a configuration with no collection of its own,
+        # pytester's getitem(), whose items a test runs.)
+        if watch is not None and not watch.adopting and (self.adopts_orphans or self.uses_plugin()):
             watch.adopt_orphans()
 
     def warns_of_leaks(self, directory: str, pids: set[int]) -> bool:
