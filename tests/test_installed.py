@@ -1351,6 +1351,37 @@ def test_pytesters_node_helpers_leave_the_calling_test_its_scopes(
     ]
 
 
+NODE_HELPER_ADOPTING = """
+from _pytest.runner import runtestprotocol
+
+ITEM = (
+    "from pytest_elastic_timer.plugin import leaks\\n\\n\\n"
+    "def test_func():\\n    assert leaks.is_subreaper()\\n"
+)
+
+
+def test_runs_an_item_under_warn(pytester):
+    pytester.makeini("[pytest]\\naddopts = --elastic-timer-leaks=warn\\n")
+    item = pytester.getitem(ITEM)
+    reports = runtestprotocol(item, log=False)
+    assert [r.outcome for r in reports] == ["passed"] * 3, reports
+"""
+
+
+def test_an_item_that_a_test_runs_itself_adopts_orphans_under_warn(
+    pytester: pytest.Pytester,
+) -> None:
+    """An item that pytester's getitem() built, which a test runs itself, under
+    ``--elastic-timer-leaks=warn``: its process adopts orphans while its test runs,
+    as in a session (the outer session adopts none here)."""
+    pytester.makepyfile(test_outer=NODE_HELPER_ADOPTING)
+    result = pytester.runpytest_subprocess(
+        "-p", "pytester", "-p", "no:cacheprovider", "-p", "no:asyncio",
+        "--elastic-timer-leaks=off",
+    )  # fmt: skip
+    result.assert_outcomes(passed=1)
+
+
 # Another plugin's suite builds nodes with pytester's helpers, which run a session's
 # start and finish hooks around a collection without running the session (pytest-xdist's
 # own looponfail tests): the finishing session has no exit status of its own.
