@@ -42,20 +42,14 @@ class WatchdogError(RuntimeError):
     """The watchdog could not be started."""
 
 
-def _session_root_dir() -> str | None:
-    # tmpfs keeps the scope tables in memory; fall back to the usual temp dir.
-    root = hostid.session_root()
-    return root if root != hostid.temp_dir() else None
-
-
-def sweep_stale(root: str | None, older_than: float = 60.0) -> list[str]:
+def sweep_stale(root: str, older_than: float = 60.0) -> list[str]:
     """Remove session directories of ours whose watchdog is gone (it was SIGKILLed).
 
     A directory is stale when it belongs to this user, is older than ``older_than``
     seconds and nothing accepts connections on its socket.
     """
     removed = []
-    pattern = os.path.join(root or hostid.temp_dir(), "pytest-elastic-timer-*")
+    pattern = os.path.join(root, "pytest-elastic-timer-*")
     for directory in glob.glob(pattern):
         try:
             st = os.lstat(directory)
@@ -324,8 +318,9 @@ def start(
     reap_stopped()
     if _posix_spawn is None:
         raise WatchdogError("this platform has no posix_spawn")
-    sweep_stale(_session_root_dir())
-    directory = tempfile.mkdtemp(prefix="pytest-elastic-timer-", dir=hostid.session_root())
+    root = hostid.session_root()
+    sweep_stale(root)
+    directory = tempfile.mkdtemp(prefix="pytest-elastic-timer-", dir=root)
     os.chmod(directory, 0o700)
     address = os.path.join(directory, SOCKET_NAME)
     env = _watchdog_env()
@@ -497,7 +492,7 @@ def join_host(
 
     identity = hostid.current()
     directory = hostid.host_directory(token, identity)
-    sweep_stale(_session_root_dir())  # left by watchdogs of this host killed earlier
+    sweep_stale(hostid.session_root())  # left by watchdogs of this host killed earlier
     try:
         os.mkdir(directory, 0o700)
     except FileExistsError:

@@ -100,8 +100,7 @@ class Watch:
             _set_subreaper(0)
         opened = [k for k, fd in _children_fds.items() if self._files.get(k) != fd]
         for key in opened:
-            with contextlib.suppress(OSError):
-                unpatched.close(_children_fds.pop(key))
+            _close_children_file(key)
         if _main_children[0] != self._main:
             with contextlib.suppress(OSError):
                 unpatched.close(_main_children[0])
@@ -165,7 +164,7 @@ def snapshot() -> bytes:
         try:
             parts.append(_read_children(task))
         except OSError:
-            _close_children_file(task)
+            _close_children_file((unpatched.getpid(), task))
     return b" ".join(parts)
 
 
@@ -176,11 +175,12 @@ def _close_files_of_ended_threads(tasks: list[str]) -> None:
         pid = unpatched.getpid()
         alive = set(tasks)
         for key in [key for key in _children_fds if key[0] != pid or key[1] not in alive]:
-            _close_children_file(key[1], key[0])
+            _close_children_file(key)
 
 
-def _close_children_file(task: str, pid: int | None = None) -> None:
-    fd = _children_fds.pop((unpatched.getpid() if pid is None else pid, task), -1)
+def _close_children_file(key: tuple[int, str]) -> None:
+    """Close the kept-open children file of ``key`` (pid, task), if there is one."""
+    fd = _children_fds.pop(key, -1)
     if fd >= 0:
         with contextlib.suppress(OSError):
             unpatched.close(fd)
