@@ -765,32 +765,26 @@ def test_a_missing_rank_in_an_op_of_another_group_names_that_group(ranks: Any) -
     assert "rank 2 missing, in all_reduce #1 (group 1) at train.py:40" in col.collective_line(found)
 
 
-def test_an_isend_never_waited_for_is_not_where_its_rank_blocks(ranks: Any) -> None:
-    """An isend stays open in the ring until it is waited for; its rank has gone on to
-    the all_reduce it blocks in. The isend was named, with nobody missing."""
-    zero, one = ranks(2)
-    zero.op("isend", kind=col.SEND, peer=1, done=False)
-    one.op("recv", kind=col.RECV, peer=0)
-    zero.op("all_reduce", done=False)  # rank 1 never comes
-    found = col.align(rings([zero, one]), NOW)
-    assert found is not None
-    assert where_and_who(found) == (
-        "all_reduce",
-        1,
-        [0],
-        [1],
-    )
-
-
-def test_a_batch_of_sends_and_receives_never_waited_for_is_not_where_its_rank_blocks(
-    ranks: Any,
+@pytest.mark.parametrize(
+    ("sent", "received"),
+    [
+        (("isend", col.SEND, 1), ("recv", col.RECV, 0)),
+        (("batch_isend_irecv", col.OTHER, -1), ("batch_isend_irecv", col.OTHER, -1)),
+    ],
+    ids=["isend", "batch_isend_irecv"],
+)
+def test_a_send_never_waited_for_is_not_where_its_rank_blocks(
+    ranks: Any, sent: tuple[str, int, int], received: tuple[str, int, int]
 ) -> None:
-    """As an isend: a batch_isend_irecv whose requests were never waited for stays
-    open while its rank goes on to the all_reduce it blocks in."""
+    """An isend (or a batch_isend_irecv) stays open in the ring until it is waited
+    for, while its rank goes on to the all_reduce it blocks in. The isend was named,
+    with nobody missing."""
     zero, one = ranks(2)
-    zero.op("batch_isend_irecv", kind=col.OTHER, done=False)
-    one.op("batch_isend_irecv", kind=col.OTHER)
-    zero.op("all_reduce", done=False)
+    name, kind, peer = sent
+    zero.op(name, kind=kind, peer=peer, done=False)
+    name, kind, peer = received
+    one.op(name, kind=kind, peer=peer)
+    zero.op("all_reduce", done=False)  # rank 1 never comes
     found = col.align(rings([zero, one]), NOW)
     assert found is not None and where_and_who(found) == ("all_reduce", 1, [0], [1])
 
@@ -837,12 +831,7 @@ def test_batch_isend_irecv_is_aligned_by_its_number_in_the_group(ranks: Any) -> 
     zero.op("batch_isend_irecv", kind=col.OTHER, done=False)
     found = col.align(rings([zero, one]), NOW)
     assert found is not None
-    assert where_and_who(found) == (
-        "batch_isend_irecv",
-        2,
-        [0],
-        [1],
-    )
+    assert where_and_who(found) == ("batch_isend_irecv", 2, [0], [1])
     line = col.collective_line(found)
     assert "rank 1 missing, last completed batch_isend_irecv #1" in line, line
 
