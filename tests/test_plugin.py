@@ -300,6 +300,29 @@ def test_scope_left_open_by_a_test_does_not_hit_later_tests(pytester: pytest.Pyt
     assert "test_leak.py::test_fixture_leaks\n" in summary
 
 
+@pytest.mark.parametrize("budget", [(), ("--expires=10",)], ids=["no budget", "budget"])
+def test_scope_left_open_under_warnings_as_errors_fails_only_its_test(
+    pytester: pytest.Pytester, budget: tuple[str, ...]
+) -> None:
+    """Under ``-W error`` the warning for a scope left open raises: the test that left
+    it fails, once, and pytest's teardown still runs, so the next test does not inherit
+    the test ("previous item was not torn down properly")."""
+    pytester.makepyfile(test_leak=LEAKED_SCOPE)
+    session = run(pytester, "-v", "-W", "error", "--elastic-timer-grace=0.5", *budget)
+    session.assert_clean()
+    for name in ("test_unrelated", "test_after"):
+        assert f"test_leak.py::{name} PASSED" in session.stdout
+    outcomes = session.result.parseoutcomes()
+    assert outcomes.get("failed", 0) + outcomes.get("errors", 0) == 2, session.text
+    assert "not torn down properly" not in session.text
+    for phase, leaked in (
+        ("test_leaks::call", "leaked"),
+        ("test_fixture_leaks::setup", "fixture-leaked"),
+    ):
+        assert f"scope '{phase}' ended while '{phase}/{leaked}' inside it was" in session.text
+    assert session.report is not None and session.report["expired"] == []
+
+
 def test_json_report_fields(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_x=marked_hang(0.4))
     session = run(pytester)

@@ -315,6 +315,23 @@ def test_release_out_of_order_closes_the_inner_scopes() -> None:
     assert _base() == base
 
 
+def test_release_out_of_order_under_warnings_as_errors_still_closes_every_scope() -> None:
+    """The warning, made an error, raises only once the scopes are closed: the outer
+    scope's slot is not left open for the watchdog to expire in later code."""
+    base = _base()
+    outer = et.TimerRequest(5, scope="outer")
+    inner = et.TimerRequest(0.5, scope="inner")
+    outer.acquire()
+    inner.acquire()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeWarning, match="still open"):
+            outer.release()
+    assert not (outer.active or inner.active)
+    assert _base() == base
+    assert _open_in_table(outer, inner) == []
+
+
 def test_exit_of_a_with_block_closes_scopes_acquired_inside() -> None:
     base = _base()
     inner = et.TimerRequest(0.5, scope="forgotten")

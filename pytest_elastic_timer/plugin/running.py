@@ -138,25 +138,35 @@ class RunningTest:
         """The phase ``when`` begins (once): the phase before it is traced, the table
         names the new one, and scopes the phase before left open are closed.
         ``named``: no scope of its own names the phase, the stack's prefix does."""
+        ending = self.stack.prefix
+        self.stack.prefix = f"{self.name}::{when}" if named else self.outer_prefix
         if self.when != when:
             if self.tracing:
-                self._trace_phase()
+                self._trace_phase(ending)
             self.when = when
             self.process.set_phase(when)
             if len(self.stack) > self.depth:
-                self._close_open_scopes()
-        self.stack.prefix = f"{self.name}::{when}" if named else self.outer_prefix
+                # Last: its warning raises under -W error.
+                scopes.close_above(self.stack, self.depth, ending)
 
     def finish(self) -> None:
         """After the test's teardown: its scopes are over, its leftover processes found."""
+        ending = self.stack.prefix
         if self.tracing:
-            self._trace_phase()
+            self._trace_phase(ending)
         self.when = ""
         if self.interrupted:
             self.item.stash[_INTERRUPTED] = True
-        if len(self.stack) > self.depth:
-            self._close_open_scopes()
         self.stack.prefix = self.outer_prefix
+        try:
+            if len(self.stack) > self.depth:
+                scopes.close_above(self.stack, self.depth, ending)
+        finally:  # a warning made an error (-W error) is the test's; the rest still runs
+            self._leave()
+
+    def _leave(self) -> None:
+        """The process is back between tests, or in the test that runs this one; the
+        test's leftover processes are looked for."""
         # Back to the test that runs this session in-process, if any, where the two
         # share the process's scope state (a test that runs items itself).
         outer = _running[-1] if _running else None
@@ -179,17 +189,13 @@ class RunningTest:
             self.name, when, getattr(budgets, when), budgets.grace, self.definition
         )
 
-    def _close_open_scopes(self) -> None:
-        """Scopes the phase before left open end with it (with a warning)."""
-        scopes.close_above(self.stack, self.depth, self.stack.prefix)
-
-    def _trace_phase(self) -> None:
-        """The timeline shows every phase without a scope of its own. What the phase
-        traced is written now: should the process be ended in the next one (stuck in
-        C, where it runs no more Python), it is not lost with it."""
-        stack = self.stack
-        if self.when and stack.prefix != self.outer_prefix:
-            self.process.traced(stack.prefix, self.started, stack.tid, False)
+    def _trace_phase(self, name: str) -> None:
+        """The timeline shows every phase without a scope of its own (``name``, the
+        stack's prefix in it). What the phase traced is written now: should the process
+        be ended in the next one (stuck in C, where it runs no more Python), it is not
+        lost with it."""
+        if self.when and name != self.outer_prefix:
+            self.process.traced(name, self.started, self.stack.tid, False)
         self.process.flush_trace()
         self.started = _monotonic()
 
@@ -386,9 +392,15 @@ def teardown(item: pytest.Item) -> Generator[None, None, None]:
     running = current(item)
     if running is None:
         return (yield)
-    running.switch("teardown")
+    # Scopes the call left open are closed with a warning: made an error (-W error), it
+    # fails this teardown once pytest's ran, or the next test would inherit the test.
+    left_open: Exception | None = None
     try:
-        return (yield)
+        running.switch("teardown")
+    except Exception as exc:
+        left_open = exc
+    try:
+        result = yield
     except BaseException as exc:
         watch_failures_of(item.config, exc)
         raise
@@ -397,6 +409,9 @@ def teardown(item: pytest.Item) -> Generator[None, None, None]:
         # error (-W error) fails the test's teardown.
         if _running and _running[-1] is running:
             _running.pop().finish()
+    if left_open is not None:
+        raise left_open
+    return result
 
 
 class PhaseBudgets:

@@ -384,16 +384,19 @@ class TimerRequest:
             raise RuntimeError(f"scope {self.path or self.scope!r} is not active")
         self._state = None
         stack = self._stack
+        abandoned = None
         if self.detached:
             _detached.pop(id(self), None)
         elif stack:
             if stack[-1] is self:
                 stack.pop()
             elif self in stack:
-                _close_abandoned(stack, self)
+                abandoned = _close_abandoned(stack, self)
         # The current state is always usable; another one (an outer session's, set
         # aside) may be closed, or the parent's, entered before a fork.
         if state is not _state and not state.usable:
+            if abandoned:
+                _warn_abandoned(abandoned, self.path)
             return
         slot = self._slot
         if slot >= 0:
@@ -404,6 +407,8 @@ class TimerRequest:
             state.traced(
                 self.path, self._start, stack.tid if stack is not None else 0, self._delivered
             )
+        if abandoned:  # now that this scope is closed and traced too
+            _warn_abandoned(abandoned, self.path)
         task = self._task
         if task is not None and _ended_by_its_cancellation(self, task, exc):
             raise _report(self, monotonic(), "interrupted", None, task=task) from exc
@@ -717,13 +722,15 @@ async def await_in_task_of(scope: TimerRequest, awaitable: Awaitable[T]) -> T:
     return result
 
 
-def _close_abandoned(stack: ScopeStack, scope: TimerRequest) -> None:
+def _close_abandoned(stack: ScopeStack, scope: TimerRequest) -> list[TimerRequest]:
     """``scope`` ends while scopes it encloses are still open (acquired and never
     released): they end with it, as in Trio, so that no forgotten scope outlives its
-    enclosing one (a test's phase) and expires in somebody else's code."""
+    enclosing one (a test's phase) and expires in somebody else's code. Returns them,
+    for :func:`_warn_abandoned` once ``scope`` itself is closed."""
     index = stack.index(scope)
-    close_above(stack, index + 1, scope.path)
+    abandoned = _abandon_above(stack, index + 1)
     stack.pop()  # scope itself
+    return abandoned
 
 
 # Every file of the package, whichever subpackage it lies in, ends with this prefix.
@@ -742,6 +749,11 @@ def _user_stacklevel() -> int:
 
 def close_above(stack: ScopeStack, depth: int, ending: str) -> None:
     """Close the scopes of ``stack`` from ``depth`` up, which ``ending`` outlived."""
+    _warn_abandoned(_abandon_above(stack, depth), ending)
+
+
+def _abandon_above(stack: ScopeStack, depth: int) -> list[TimerRequest]:
+    """Close the scopes of ``stack`` from ``depth`` up, without a word; outermost first."""
     abandoned = [stack.pop() for _ in range(len(stack) - depth)][::-1]
     for inner in abandoned:
         state = inner._state
@@ -751,6 +763,13 @@ def close_above(stack: ScopeStack, depth: int, ending: str) -> None:
             state.table.clear_slot(inner._slot)
             state.free.append(inner._slot)
             inner._slot = -1
+    return abandoned
+
+
+def _warn_abandoned(abandoned: list[TimerRequest], ending: str) -> None:
+    """Say that ``ending`` closed the scopes ``abandoned``. Called once every scope is
+    closed: under ``-W error`` the warning raises, and nothing may be left open then."""
+    __tracebackhide__ = True
     names = ", ".join(repr(s.path) for s in abandoned)
     were, they = ("were", "they were") if len(abandoned) > 1 else ("was", "it was")
     warnings.warn(
