@@ -23,12 +23,19 @@ BAD_MARKERS = {
     "bad_setup": ('(1, setup="x")', "'x'"),
     "bad_teardown": ("(1, teardown=-3)", "-3"),
     "bad_grace": ('(1, grace=float("nan"))', "nan"),
+    "unprintable": ("(Unprintable())", "<Unprintable object>"),
 }
+
+UNPRINTABLE = """
+class Unprintable:
+    def __repr__(self):
+        raise RuntimeError("no repr")
+"""
 
 
 def bad_marker_module() -> str:
     """One module with a test per bad marker of BAD_MARKERS, and good tests between."""
-    source = "import pytest\n\ndef test_good_first():\n    pass\n"
+    source = f"import pytest\n{UNPRINTABLE}\ndef test_good_first():\n    pass\n"
     for name, (arguments, _) in BAD_MARKERS.items():
         source += f"\n@pytest.mark.expires{arguments}\ndef test_bad_{name}():\n    pass\n"
     return source + "\n@pytest.mark.expires(5)\ndef test_good_last():\n    pass\n"
@@ -41,12 +48,21 @@ def setup_error(session: Session, name: str) -> str:
     return block
 
 
-def test_each_bad_marker_is_an_error_of_its_test_alone(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(test_markers=bad_marker_module())
+@pytest.mark.parametrize("phased", [False, True], ids=["", "beside a setup budget"])
+def test_each_bad_marker_is_an_error_of_its_test_alone(
+    pytester: pytest.Pytester, phased: bool
+) -> None:
+    """One error per bad marker, at its setup; also where another test's setup budget
+    has the plugin watch every test's setup and teardown."""
+    source = bad_marker_module()
+    if phased:
+        source += "\n@pytest.mark.expires(5, setup=1)\ndef test_good_phased():\n    pass\n"
+    pytester.makepyfile(test_markers=source)
     session = run(pytester, report=False)
     session.assert_clean()
     # Every bad marker of the module is named, and the module's good tests run.
-    session.result.assert_outcomes(passed=2, errors=len(BAD_MARKERS))
+    session.result.assert_outcomes(passed=2 + phased, errors=len(BAD_MARKERS))
+    assert "During handling of the above exception" not in session.stdout
     assert session.result.ret == pytest.ExitCode.TESTS_FAILED
     for name, (_, value) in BAD_MARKERS.items():
         block = setup_error(session, f"test_bad_{name}")

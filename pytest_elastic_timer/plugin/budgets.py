@@ -118,13 +118,6 @@ class BudgetBook:
                     self.errors.pop(node, None)
             except ValueError as exc:
                 self.errors[node] = str(exc)
-            except Exception as exc:  # a value whose own methods fail: still this test's
-                assert mark is not None
-                self.errors[node] = (
-                    f"{node.nodeid}: @pytest.mark.expires"
-                    f"({marker_arguments(mark.args, mark.kwargs)}): "
-                    f"not a number of seconds ({type(exc).__name__})"
-                )
 
     def check(self, item: pytest.Item) -> None:
         """Fail the test at its setup if its marker is bad (the error names the test
@@ -136,16 +129,35 @@ class BudgetBook:
     def of(self, item: pytest.Item) -> Budgets:
         """The item's budgets; ValueError naming the test for bad input."""
         budgets = self.by_item.get(item)
-        if budgets is None:  # not collected by this session's collection hooks
+        if budgets is None:
+            error = self.errors.get(item) if self.errors else None
+            if error is not None:  # its marker was read at collection, and is bad
+                raise ValueError(error)
+            # Not collected by this session's collection hooks.
             mark = find_marker(item)
-            budgets = self.by_item[item] = (
-                self.default if mark is None else self._marked(item, mark)
-            )
+            try:
+                budgets = self.by_item[item] = (
+                    self.default if mark is None else self._marked(item, mark)
+                )
+            except ValueError as exc:
+                self.errors[item] = str(exc)
+                raise
         return budgets
 
     def _marked(self, item: pytest.Item, mark: pytest.Mark) -> Budgets:
+        """The budgets of ``item``'s marker, or ValueError naming the test and the
+        marker, whatever the value's own methods raise."""
         self.has_markers = True
-        budgets = parse_marker(item.nodeid, mark.args, mark.kwargs)
+        try:
+            budgets = parse_marker(item.nodeid, mark.args, mark.kwargs)
+        except ValueError:
+            raise
+        except Exception as exc:  # a value whose own methods fail: still this test's
+            raise ValueError(
+                f"{item.nodeid}: @pytest.mark.expires"
+                f"({marker_arguments(mark.args, mark.kwargs)}): "
+                f"not a number of seconds ({type(exc).__name__})"
+            ) from None
         if budgets.phased:
             self.on_phased()
         return budgets
