@@ -186,7 +186,9 @@ def test_string_ids_outside_the_written_area(table: tbl.ScopeTable) -> None:
 
 
 def test_long_strings_are_cut(table: tbl.ScopeTable) -> None:
-    assert table.string(table.add_string("x" * 10_000)) == "x" * 4096
+    assert table.string(table.add_string("x" * 10_000)) == "x" * 10_000
+    too_long = "x" * (tbl.MAX_STRING + 10)
+    assert table.string(table.add_string(too_long)) == "x" * tbl.MAX_STRING
 
 
 # -- the wire format ---------------------------------------------------------------
@@ -363,6 +365,22 @@ def test_test_entry_round_trip(table: tbl.ScopeTable) -> None:
     assert tbl.split_test_entry("t.py::test_plain") == ("t.py::test_plain", "", "")
 
 
+@pytest.mark.parametrize("length", [2_030, 40_000, 100_000])
+def test_a_long_test_entry_keeps_its_three_parts(table: tbl.ScopeTable, length: int) -> None:
+    """A parametrized test's id kilobytes long: its nodeid and name whole while they
+    fit, else cut, never the separators or the definition."""
+    name = f"test_long[{'é' * length}]"
+    nodeid = f"t.py::{name}"
+    sid = table.add_string(tbl.test_entry(nodeid, name, "/r/t.py", 12))
+    got_nodeid, got_name, definition = tbl.split_test_entry(table.string(sid))
+    assert definition == "/r/t.py:12"
+    if length * 2 * 2 < tbl.MAX_STRING:  # two bytes a character, nodeid and name
+        assert (got_nodeid, got_name) == (nodeid, name)
+    else:
+        assert nodeid.startswith(got_nodeid) and name.startswith(got_name)
+        assert len(got_nodeid) > 1000 and len(got_name) > 1000
+
+
 def test_a_lone_surrogate_is_replaced_not_an_error(table: tbl.ScopeTable) -> None:
     sid = table.add_string("scope-\udc80-end")
     assert table.string(sid) == "scope-?-end"
@@ -375,9 +393,9 @@ def test_phase_flags_name_the_phase() -> None:
     assert tbl.phase_of(0) == ""
 
 
-def test_long_strings_are_cut_at_4096_bytes(table: tbl.ScopeTable) -> None:
-    sid = table.add_string("é" * 5000)
-    assert len(table.string(sid).encode("utf-8", "replace")) <= 4096
+def test_long_strings_are_cut_at_max_string_bytes(table: tbl.ScopeTable) -> None:
+    sid = table.add_string("é" * tbl.MAX_STRING)
+    assert len(table.string(sid).encode("utf-8", "replace")) <= tbl.MAX_STRING
     assert table.string(table.add_string("next")) == "next"
 
 

@@ -54,6 +54,9 @@ CAPACITY = 65536
 # Append-only, and every test writes its entry (about 150 bytes): 64 MiB hold some
 # 400,000 tests in one process. The file is sparse: only written pages use memory.
 STRINGS_SIZE = 64 * 1024 * 1024
+# Bytes of one string at most: a longer one is cut. A test's entry is one (parametrized
+# tests' ids can be kilobytes long); the area holds a thousand of them even so.
+MAX_STRING = 64 * 1024
 SLOTS_OFFSET = HEADER_SIZE
 STRINGS_OFFSET = SLOTS_OFFSET + CAPACITY * SLOT_SIZE
 FILE_SIZE = STRINGS_OFFSET + STRINGS_SIZE
@@ -98,8 +101,22 @@ def pid_of_file(name: str) -> int:
 
 def test_entry(nodeid: str, name: str, path: str, line: int) -> str:
     """One test's string in the table: its nodeid, name and ``path:line`` of its
-    definition, which the slots of the test's phase scopes point at."""
-    return f"{nodeid}\0{name}\0{path}:{line}"
+    definition, which the slots of the test's phase scopes point at. Cut to fit
+    :data:`MAX_STRING` (ids of parametrized tests can be that long) by its nodeid and
+    name, so that it still splits in three."""
+    entry = f"{nodeid}\0{name}\0{path}:{line}"
+    if len(entry) <= MAX_STRING // 4:  # fits whatever its characters' UTF-8 length
+        return entry
+    definition = _cut(f"{path}:{line}", MAX_STRING // 2)
+    room = MAX_STRING - len(definition.encode("utf-8", "replace")) - 2
+    nodeid = _cut(nodeid, room // 2)
+    name = _cut(name, room - len(nodeid.encode("utf-8", "replace")))
+    return f"{nodeid}\0{name}\0{definition}"
+
+
+def _cut(text: str, size: int) -> str:
+    """``text`` cut to at most ``size`` bytes of UTF-8, at a character's boundary."""
+    return text.encode("utf-8", "replace")[:size].decode("utf-8", "ignore")
 
 
 def split_test_entry(text: str) -> tuple[str, str, str]:
@@ -204,9 +221,9 @@ class ScopeTable:
         except UnicodeEncodeError:  # a lone surrogate; the error handler costs every call
             data = text.encode("utf-8", "replace")
         size = len(data)
-        if size > 4096:
-            data = data[:4096]
-            size = 4096
+        if size > MAX_STRING:
+            data = data[:MAX_STRING]
+            size = MAX_STRING
         words = self.words
         used = words[H_STRINGS_USED]
         end = used + 4 + size
