@@ -838,6 +838,36 @@ def test_the_timeline_command_names_a_file_it_cannot_draw(
     assert not page.exists()
 
 
+def test_the_timeline_of_a_scope_named_from_a_non_utf8_file_name(
+    pytester: pytest.Pytester,
+) -> None:
+    """A scope name with a lone surrogate (``os.fsdecode`` of a file name that is not
+    UTF-8): the page is drawn with "?" for it, as the JSON report says it. The command
+    raised UnicodeEncodeError and left an empty page."""
+    pytester.makepyfile(
+        test_s="""
+        import pytest_elastic_timer as et
+
+        def test_named():
+            with et.expires(30, "file-\\udcff-name"):
+                pass
+        """
+    )
+    session = run(pytester, "--elastic-timer-trace=trace.json")
+    session.assert_clean()
+    session.result.assert_outcomes(passed=1)
+    page = pytester.path / "trace.html"
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest_elastic_timer.ci.trace", "trace.json", "--html", page],
+        cwd=pytester.path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "test_named::call/file-?-name" in page.read_text(encoding="utf-8")
+
+
 def test_fallback_file_is_valid_xml_with_awkward_text(tmp_path: Path) -> None:
     path = tmp_path / "sub" / "junit.xml"
     stack = 'File "x.py", line 1 <&>\x00\x1b[31m'

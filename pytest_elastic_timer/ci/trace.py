@@ -498,7 +498,9 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         parser.error(f"{args.trace!r} has an event this timeline cannot draw: {exc!r}")
     try:
-        with open(args.html, "w", encoding="utf-8") as f:
+        # A name from a file name that is not UTF-8 holds a lone surrogate: "?", as in
+        # the JSON report.
+        with open(args.html, "w", encoding="utf-8", errors="replace") as f:
             f.write(page)
     except OSError as exc:
         parser.error(f"cannot write {args.html!r}: {exc}")
