@@ -3,7 +3,10 @@ error (an option), naming the test and the value, never an INTERNALERROR."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 from helpers import Session, failure_block, run
@@ -252,6 +255,53 @@ def test_timer_request_rejects_bad_numbers(after: float) -> None:
         et.TimerRequest(after)
     with pytest.raises(ValueError, match="grace must be a finite number >= 0"):
         et.expires(1, grace=after)
+
+
+ON_ITS_OWN = {"PYTEST_ELASTIC_TIMER": "", "PYTEST_ELASTIC_TIMER_SCALE": ""}
+
+
+def run_script(source: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """``source`` run by Python in a process of no session (the in-process sentinel
+    enforces its scopes), with ``env`` over this one's environment."""
+    return subprocess.run(
+        [sys.executable, "-W", "error", "-c", source],
+        env={**os.environ, **ON_ITS_OWN, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_a_budget_of_centuries_leaves_the_sentinel_enforcing() -> None:
+    """Without a watchdog, a scope of 1e10 s made the sentinel's wait overflow: its
+    thread died, and later scopes were noticed only at their end."""
+    done = run_script(
+        "import time\n"
+        "import pytest_elastic_timer as et\n"
+        "with et.expires(1e10, 'centuries'):\n"
+        "    time.sleep(0.2)\n"
+        "try:\n"
+        "    with et.expires(0.3, 'short'):\n"
+        "        time.sleep(10)\n"
+        "except et.ScopeExpired as exc:\n"
+        "    print(f'{exc.elapsed:.1f}')\n"
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    assert float(done.stdout) < 2.0
+
+
+@pytest.mark.parametrize("value", ["-1", "0", "nan", "inf", "abc"])
+def test_a_bad_scale_in_the_environment_is_an_error_naming_it(value: str) -> None:
+    done = run_script(
+        "import pytest_elastic_timer as et\nwith et.expires(5):\n    pass\n",
+        PYTEST_ELASTIC_TIMER_SCALE=value,
+    )
+    assert done.returncode == 1
+    assert (
+        f"ValueError: PYTEST_ELASTIC_TIMER_SCALE must be a finite number above 0, not {value!r}"
+        in done.stderr
+    ), done.stderr
 
 
 def test_a_grace_longer_than_a_slot_holds_is_held_as_forever(pytester: pytest.Pytester) -> None:

@@ -18,6 +18,7 @@ import atexit
 import contextlib
 import inspect
 import itertools
+import math
 import os
 import signal
 import socket
@@ -924,7 +925,9 @@ class Sentinel:
             # wakes this thread.
             interrupt_due(self.table, due, self.fired, self.state.interrupt)
             floats[tbl.H_ARMED] = earliest
-            timeout = None if earliest == float("inf") else max(0.0, earliest - now)
+            # At most an hour: a wait for a budget of centuries overflows the clock's
+            # type (OverflowError), and would end this thread.
+            timeout = None if earliest == float("inf") else max(0.0, min(earliest - now, 3600.0))
             with self.cond:
                 if not self.woken and not self.stopped:
                     self.cond.wait(timeout)
@@ -994,8 +997,15 @@ def interrupt_due(
 
 def scale_from_env() -> float:
     """The session's scale factor as the environment gives it (``ENV_SCALE``), for a
-    process that has no word from the watchdog; 1.0 without one."""
-    try:
-        return float(os.environ.get(ENV_SCALE, 1.0))
-    except ValueError:
+    process that has no word from the watchdog; 1.0 without one. ValueError naming the
+    value if it is not a finite number above 0 (as ``--elastic-timer-scale`` must be)."""
+    text = os.environ.get(ENV_SCALE, "")
+    if not text:
         return 1.0
+    try:
+        scale = float(text)
+    except ValueError:
+        scale = math.nan
+    if not 0 < scale < math.inf:
+        raise ValueError(f"{ENV_SCALE} must be a finite number above 0, not {text!r}")
+    return scale
