@@ -689,6 +689,9 @@ def test_escaping_follows_githubs_rules() -> None:
         "100%25 done%0D%0Anext%3A a%2C b"
     )
     assert ci_github.escape_property("%3A") == "%253A"  # escaped once, not twice
+    # No raw control character in a title (an ESC would colour the log, a NUL end it):
+    # GitHub has no escape for them, so they read as Python writes them.
+    assert ci_github.escape_property("a\x1b[31mb\x00c\td") == "a\\x1b[31mb\\x00c\\x09d"
 
 
 def test_annotations_cap_and_location(tmp_path: Path) -> None:

@@ -25,9 +25,15 @@ def escape_data(text: str) -> str:
     return text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
 
 
+# Control characters but line ends, as Python writes them (``\x1b``): raw, a scope's
+# name would reach the log (an ESC starts a terminal's escape sequence, a NUL ends
+# text), and GitHub's runner has no escape for them.
+_CONTROLS = {c: f"\\x{c:02x}" for c in [*range(0x20), 0x7F] if chr(c) not in "\r\n"}
+
+
 def escape_property(text: str) -> str:
     """A workflow command's property value (``file=``, ``title=``), escaped."""
-    return escape_data(text).replace(":", "%3A").replace(",", "%2C")
+    return escape_data(text.translate(_CONTROLS)).replace(":", "%3A").replace(",", "%2C")
 
 
 def _where(
