@@ -38,6 +38,11 @@ def load(path: str) -> dict[str, Any]:
         raise BadReport(f"{path}: 'expired' is not a list of records")
     if not isinstance(session, dict):
         raise BadReport(f"{path}: 'session' is not an object")
+    for index, data in enumerate(expired):
+        try:  # as print_summary will: a record it cannot print is no record
+            records.format_record(records.ExpiryRecord.from_json(data), with_stack=True)
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+            raise BadReport(f"{path}: expired[{index}] is not an expiry record: {exc}") from None
     return report
 
 

@@ -126,3 +126,17 @@ def test_a_file_that_is_not_a_report_is_refused(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert f"{bad}: not a version 1 elastic-timer report" in done.stderr
     assert not (tmp_path / "all.json").exists()
+
+
+@pytest.mark.parametrize(
+    "record", [{"nodeid": 1}, {"nodeid": "t.py::t", "scope": "s"}, "not an object"]
+)
+def test_a_report_with_a_record_that_is_not_one_is_refused(tmp_path: Path, record: object) -> None:
+    """A record without the contract's fields was a traceback (TypeError)."""
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"version": 1, "expired": [record], "session": {}}))
+    done = merge(bad, "-o", tmp_path / "all.json")
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert f"{bad}: " in done.stderr and "expired" in done.stderr, done.stderr
+    assert not (tmp_path / "all.json").exists()
