@@ -337,6 +337,48 @@ def test_expired_test_counted_once_under_each_dist_mode(
     assert_all_gone(session, all_pids(pytester))
 
 
+HELPER_OF_EACH_WORKER = """
+import subprocess
+import sys
+
+CHILD = (
+    "import os, time\\n"
+    "import pytest_elastic_timer as et\\n"
+    "et.set_label('helper of ' + os.environ['PYTEST_XDIST_WORKER'])\\n"
+    "with et.expires(0.5, scope='handshake'):\\n"
+    "    while True:\\n"
+    "        time.sleep(0.01)\\n"
+)
+
+
+def test_helper():
+    done = subprocess.run([sys.executable, "-c", CHILD])
+    assert done.returncode == 0, "the helper failed"
+"""
+
+
+def test_under_dist_each_each_runs_report_names_its_own_helpers_expiry(
+    pytester: pytest.Pytester,
+) -> None:
+    """Every worker runs the test (``--dist each``): each run's failure, its JUnit
+    case and its properties are about the expiry of its own helper, not the other
+    worker's (records were matched by node id alone)."""
+    pytester.makepyfile(test_h=HELPER_OF_EACH_WORKER)
+    session = run_xdist(pytester, "--dist=each", "--junitxml=junit.xml")
+    session.assert_clean()
+    session.result.assert_outcomes(failed=2)
+    assert len(records_of(session, "test_h.py::test_helper")) == 2
+    cases = junit_cases(pytester.path / "junit.xml")["test_h::test_helper"]
+    labels = []
+    for case in cases:
+        props = {p.get("name"): p.get("value") for p in case.iter("property")}
+        label = str(props["elastic_timer_label"])
+        labels.append(label)
+        text = "".join(f.text or "" for f in case.iter("failure"))
+        assert set(re.findall(r"helper of gw\d", text)) == {label}, (label, text)
+    assert sorted(labels) == ["helper of gw0", "helper of gw1"]
+
+
 # The expired test's unit has one test left after it, and the ended worker had one more
 # unit queued; the other worker is done and shut down by then. The replacement is handed
 # a one-test unit, and an xdist worker holds its last test until it is sent a next one

@@ -12,6 +12,7 @@ it implements the plugin's hooks (:mod:`..plugin.hookspecs`).
 
 from __future__ import annotations
 
+import collections
 import os
 import sys
 import xml.etree.ElementTree as ET
@@ -23,7 +24,10 @@ from pytest_elastic_timer.ci.junit_fallback import FAILURE_TYPE
 from pytest_elastic_timer.core import atomic_file
 from pytest_elastic_timer.core.records import ExpiryRecord
 
-EXPIRED = pytest.StashKey[dict[str, list[ExpiryRecord]]]()
+# The expired scopes of each test, by node id, then by the worker that ran it ("" but
+# under xdist), in the order the runs' failed reports came: under ``--dist each`` every
+# worker runs the test, and pytest writes a testcase for each run.
+EXPIRED = pytest.StashKey[dict[str, dict[str, list[ExpiryRecord]]]]()
 
 
 def _junit_names(nodeid: str, prefix: str | None) -> tuple[str, str]:
@@ -37,18 +41,34 @@ def _junit_names(nodeid: str, prefix: str | None) -> tuple[str, str]:
         return junit_fallback.testcase_names(nodeid, prefix)
 
 
-def fix_junit(path: str, expired: dict[str, list[ExpiryRecord]], prefix: str | None = None) -> int:
+def fix_junit(
+    path: str, expired: dict[str, dict[str, list[ExpiryRecord]]], prefix: str | None = None
+) -> int:
     """Give the testcases of ``expired`` tests in pytest's JUnit file at ``path`` the
     ScopeExpired failure type, the scope line and the scope's properties. Returns how
-    many testcases were changed."""
+    many testcases were changed.
+
+    A test run by several workers (``--dist each``) has a testcase per run, in the
+    order of their reports: when as many of its testcases failed as runs expired
+    scopes, each gets its own run's; otherwise each gets them all."""
     tree = ET.parse(path)
-    wanted = {_junit_names(nodeid, prefix): found for nodeid, found in expired.items()}
+    wanted = {_junit_names(nodeid, prefix): list(runs.values()) for nodeid, runs in expired.items()}
+    failed = collections.Counter(
+        (case.get("classname", ""), case.get("name", ""))
+        for case in tree.iter("testcase")
+        if any(c.tag in ("failure", "error") for c in case)
+    )
+    seen: collections.Counter[tuple[str, str]] = collections.Counter()
     changed = 0
     for case in tree.iter("testcase"):
-        found = wanted.get((case.get("classname", ""), case.get("name", "")))
+        key = (case.get("classname", ""), case.get("name", ""))
+        runs = wanted.get(key)
         problems = [c for c in case if c.tag in ("failure", "error")]
-        if not found or not problems:
+        if not runs or not problems:
             continue
+        one_each = len(runs) == failed[key]
+        found = runs[seen[key]] if one_each else [r for run in runs for r in run]
+        seen[key] += 1
         changed += 1
         first = found[0]
         line = first.line_text()
@@ -89,10 +109,12 @@ def junit_path(config: pytest.Config) -> str | None:
 def pytest_elastic_timer_expired(
     config: pytest.Config, report: pytest.TestReport, records: list[ExpiryRecord]
 ) -> None:
-    expired = config.stash.setdefault(EXPIRED, {})
-    known = expired.setdefault(report.nodeid, [])
-    seen = {(k.pid, k.scope) for k in known}
-    known.extend(r for r in records if (r.pid, r.scope) not in seen)
+    runs = config.stash.setdefault(EXPIRED, {}).setdefault(report.nodeid, {})
+    # A crashed worker's report, which xdist makes, has no worker_id: its record names it.
+    worker = getattr(report, "worker_id", "") or (records[0].worker if records else "")
+    known = runs.setdefault(str(worker), [])
+    seen = {(k.host, k.pid, k.scope) for k in known}
+    known.extend(r for r in records if (r.host, r.pid, r.scope) not in seen)
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's junitxml wrote the file

@@ -86,7 +86,8 @@ def _expired_of(config: pytest.Config, report: pytest.TestReport) -> list[Expiry
     if isinstance(report.longrepr, ExpiryRepr):
         return [report.longrepr.record]
     own = _from_properties(report)
-    found = [r for r in expiry_records(config) if r.nodeid == report.nodeid]
+    worker = str(getattr(report, "worker_id", "") or "")
+    found = _of_run(expiry_records(config), report.nodeid, worker)
     caught_in = getattr(report, CAUGHT_IN, None)
     if caught_in is not None:  # not what failed the test
         found = [r for r in found if (r.pid, r.action) != (caught_in, "interrupted")]
@@ -98,6 +99,14 @@ def _expired_of(config: pytest.Config, report: pytest.TestReport) -> list[Expiry
     if scope is not None:
         return [r for r in found if r.scope == scope][:1] or found
     return found
+
+
+def _of_run(found: list[ExpiryRecord], nodeid: str, worker: str) -> list[ExpiryRecord]:
+    """The records of ``found`` about test ``nodeid`` as ``worker`` ran it ("" outside
+    xdist): under ``--dist each`` every worker runs the test, on its host, and each
+    run's report is about its own expiries. A record that names no worker (a process
+    that left xdist's environment behind) counts for every run of its test."""
+    return [r for r in found if r.nodeid == nodeid and (r.worker == worker or not r.worker)]
 
 
 class ExpiryReports:
@@ -167,8 +176,8 @@ class FailedReports:
         _add_properties(report, found[0])
         state = config.stash[SESSION]
         known = state.expired.setdefault(report.nodeid, [])
-        seen = {(k.pid, k.scope) for k in known}
-        known.extend(r for r in found if (r.pid, r.scope) not in seen)
+        seen = {(k.host, k.worker, k.pid, k.scope) for k in known}
+        known.extend(r for r in found if (r.host, r.worker, r.pid, r.scope) not in seen)
         config.hook.pytest_elastic_timer_expired(config=config, report=report, records=found)
 
     def pytest_report_teststatus(self, report: pytest.TestReport, config: pytest.Config) -> Any:
@@ -232,9 +241,8 @@ def _record_of(item: pytest.Item, exc: ScopeExpired) -> ExpiryRecord:
 def _add_process_sections(item: pytest.Item, report: pytest.TestReport) -> None:
     """Expiries in processes the test started (ranks), and where its children were."""
     me = unpatched.getpid()
-    for record in expiry_records(item.config):
-        if record.nodeid != item.nodeid:
-            continue
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    for record in _of_run(expiry_records(item.config), item.nodeid, worker):
         if record.pid != me:
             report.sections.append(
                 (
