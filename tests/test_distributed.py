@@ -668,3 +668,60 @@ def test_a_file_timer_client_in_an_xdist_worker_names_its_test(pytester: pytest.
     assert record["nodeid"] == "test_in_worker.py::test_in_worker_file_timer", record
     assert record["worker"] == "gw0" and re.fullmatch(HARD, record["action"]), record
     assert "TIMEOUT test_in_worker.py::test_in_worker_file_timer" in session.stdout
+
+
+# -- torch's TimerClient rule: one timer per (pid, scope_id) ---------------------------
+TORCH_CLIENT_RULE = """
+import threading
+import time
+
+import torch.distributed.elastic.timer as timer
+
+import pytest_elastic_timer as et
+
+
+def test_acquiring_an_open_scope_again_moves_its_deadline():
+    client = et.TimerClient()
+    for _ in range(6):  # a keep-alive: 1.8s in all, never 1s without an acquire
+        client.acquire("heartbeat", time.time() + 1)
+        time.sleep(0.3)
+    client.release("heartbeat")
+
+
+def test_another_thread_releases_the_scope():
+    client = et.TimerClient()
+    client.acquire("background", time.time() + 0.5)
+    releaser = threading.Thread(target=client.release, args=("background",))
+    releaser.start()
+    releaser.join()
+    time.sleep(1.2)
+
+
+def recurse(depth):
+    # torch's default scope is the caller's file#line: every level has the same one
+    if depth:
+        with timer.expires(after=0.3):
+            recurse(depth - 1)
+            time.sleep(0.15)
+
+
+def test_a_recursive_expires_is_one_timer():
+    et.configure_torch()
+    recurse(4)
+"""
+
+
+@pytest.mark.expires(TORCH_BUDGET)
+def test_the_torch_client_keeps_one_timer_per_scope_id_as_torch_does(
+    pytester: pytest.Pytester,
+) -> None:
+    """torch's timer servers key timers by (pid, scope_id): acquiring an open scope_id
+    again replaces its deadline, and any thread of the process may release it. The
+    client nested a new scope per acquire (a keep-alive expired at its first deadline,
+    with a warning about the abandoned copies) and released only the calling thread's:
+    code that passes under torch failed with ScopeExpired."""
+    pytester.makepyfile(test_torch_client=TORCH_CLIENT_RULE)
+    session = run(pytester, "-W", "error", "-rA", timeout=TORCH_TIMEOUT)
+    session.assert_clean()
+    session.result.assert_outcomes(passed=3)
+    assert session.report is not None and session.report["expired"] == [], session.report

@@ -43,13 +43,16 @@ class TimerClient:
     """A torch ``TimerClient`` whose timers are scopes of this session.
 
     ``expiration_time`` is an absolute ``time.time()`` value, as torch's ``expires()``
-    passes it; it is converted to the monotonic clock once, at acquire. Scopes with the
-    same ``scope_id`` may be acquired repeatedly (re-entrantly); ``release`` ends the most
-    recent one of the calling thread.
+    passes it; it is converted to the monotonic clock once, at acquire. As in torch,
+    a process has one timer per ``scope_id``: acquiring an open one again moves its
+    deadline (a keep-alive loop, a recursive ``expires()`` at one line), and any
+    thread of the process may release it.
     """
 
     def __init__(self) -> None:
-        self._open: dict[tuple[int, str], list[TimerRequest]] = {}
+        # torch's servers key timers by (pid, scope_id): a forked child's are its own,
+        # never the parent's scopes that its copy of this client still lists.
+        self._open: dict[tuple[int, str], TimerRequest] = {}
         self._lock = threading.Lock()
 
     def acquire(self, scope_id: str, expiration_time: float) -> None:
@@ -62,24 +65,27 @@ class TimerClient:
                 f"expiration_time must be a finite time.time() value, not {expiration_time!r}"
             )
         after = round(max(0.0, expiration - time.time()), 3)
+        key = (unpatched.getpid(), str(scope_id))
+        with self._lock:
+            scope = self._open.get(key)
+        if scope is not None and scope.active:
+            # torch replaces the timer of an open scope_id: its deadline moves, and
+            # the scope stays where it was entered (its site, thread and nesting).
+            scope.reschedule(after)
+            return
         scope = TimerRequest(after, str(scope_id))
         scope.at = _caller(sys._getframe(1))
         scope.acquire()
-        key = (unpatched.get_ident(), str(scope_id))
         with self._lock:
-            self._open.setdefault(key, []).append(scope)
+            self._open[key] = scope
 
     def release(self, scope_id: str) -> None:
-        """End the latest open scope ``scope_id`` of this thread (no-op if none)."""
-        key = (unpatched.get_ident(), str(scope_id))
+        """End the open scope ``scope_id`` of this process, from any thread (no-op if
+        none)."""
         with self._lock:
-            stack = self._open.get(key)
-            if not stack:
-                return
-            scope = stack.pop()
-            if not stack:
-                del self._open[key]
-        if scope.active:
+            scope = self._open.pop((unpatched.getpid(), str(scope_id)), None)
+        # Not active: already closed, with the test phase (or scope) around it.
+        if scope is not None and scope.active:
             scope.release()
 
 
