@@ -725,3 +725,50 @@ def test_the_torch_client_keeps_one_timer_per_scope_id_as_torch_does(
     session.assert_clean()
     session.result.assert_outcomes(passed=3)
     assert session.report is not None and session.report["expired"] == [], session.report
+
+
+# -- file-timer requests under the session's rules --------------------------------------
+FILE_TIMER_CHILD = '''
+import multiprocessing
+import os
+import time
+
+import torch.distributed.elastic.timer as timer
+
+
+def child(after, scope, sleep, signum):
+    client = timer.FileTimerClient(os.environ["TORCHELASTIC_TIMER_FILE"], signal=signum)
+    timer.configure(client)
+    with timer.expires(after=after, scope=scope):
+        time.sleep(sleep)
+
+
+def exitcode(after, scope, sleep, signum=9):
+    """A FileTimerClient in a forked child; its exit status."""
+    proc = multiprocessing.get_context("fork").Process(
+        target=child, args=(after, scope, sleep, signum)
+    )
+    proc.start()
+    proc.join(60)
+    return proc.exitcode
+'''
+
+FILE_TIMER_SCALED = (
+    FILE_TIMER_CHILD
+    + """
+
+def test_a_scaled_file_timer_budget():
+    assert exitcode(0.3, "scaled", 1.0) == 0  # 0.3s x 10
+"""
+)
+
+
+@pytest.mark.expires(TORCH_BUDGET)
+def test_the_scale_factor_applies_to_file_timer_requests(pytester: pytest.Pytester) -> None:
+    """--elastic-timer-scale multiplies every budget, a file-timer request's too; its
+    deadline was taken as torch's wall-clock time, unscaled."""
+    pytester.makepyfile(test_scaled=FILE_TIMER_SCALED)
+    session = run(pytester, "--elastic-timer-scale=10", "-rA", timeout=TORCH_TIMEOUT)
+    session.assert_clean()
+    session.result.assert_outcomes(passed=1)
+    assert session.report is not None and session.report["expired"] == [], session.report

@@ -134,7 +134,9 @@ class FileTimerIntake:
         if expiration < 0:
             return
         now = self.host.clock()
-        deadline = now + (expiration - time.time())  # torch's deadline is wall-clock time
+        # torch's deadline is wall-clock time: what is left of it is the budget, scaled
+        # like every budget of the session.
+        deadline = now + (expiration - time.time()) * self.host.scale
         slot = self._alloc(owner)
         self.scopes[key] = slot
         table = owner.table
