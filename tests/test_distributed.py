@@ -772,3 +772,43 @@ def test_the_scale_factor_applies_to_file_timer_requests(pytester: pytest.Pytest
     session.assert_clean()
     session.result.assert_outcomes(passed=1)
     assert session.report is not None and session.report["expired"] == [], session.report
+
+
+FILE_TIMER_RECORDS = (
+    FILE_TIMER_CHILD
+    + """
+
+def test_zero():
+    assert exitcode(0, "zero", 60) < 0
+
+
+def test_negative():
+    assert exitcode(-5, "negative", 60) < 0
+
+
+def test_default_scope():
+    assert exitcode(0.3, None, 60) < 0
+"""
+)
+
+
+@pytest.mark.expires(TORCH_BUDGET)
+def test_file_timer_records_of_a_past_deadline_and_of_torchs_default_scope(
+    pytester: pytest.Pytester,
+) -> None:
+    """A request whose deadline is already past has a budget of 0, as with
+    et.TimerClient (after=0 was recorded as -0.01s, after=-5 as -5.004s); torch's
+    default scope name is contextlib's line (the frame above expires() inside its
+    @contextmanager), which is no site: the record has none rather than contextlib's."""
+    pytester.makepyfile(test_records=FILE_TIMER_RECORDS)
+    session = run(pytester, f"--elastic-timer-grace={GRACE:g}", "-rA", timeout=TORCH_TIMEOUT)
+    session.assert_clean()
+    session.result.assert_outcomes(passed=3)
+    for scope in ("zero", "negative"):
+        record = session.record(scope)
+        assert record["budget"] == 0 and re.fullmatch(HARD, record["action"]), record
+    assert session.report is not None
+    (default,) = [r for r in session.report["expired"] if r["scope"] not in ("zero", "negative")]
+    assert re.fullmatch(r".+\.py#\d+", default["scope"]), default  # torch's name for it
+    assert (default["file"], default["line"]) == ("", 0), default
+    assert "contextlib.py:" not in session.text, session.text

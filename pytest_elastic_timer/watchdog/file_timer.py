@@ -135,13 +135,13 @@ class FileTimerIntake:
             return
         now = self.host.clock()
         # torch's deadline is wall-clock time: what is left of it is the budget, scaled
-        # like every budget of the session.
-        deadline = now + (expiration - time.time()) * self.host.scale
+        # like every budget of the session; one already past is a budget of 0, as for
+        # et.TimerClient (after=0 reaches us a few milliseconds late).
+        deadline = now + max(0.0, expiration - time.time()) * self.host.scale
         slot = self._alloc(owner)
         self.scopes[key] = slot
         table = owner.table
-        file, _, line_no = scope_id.rpartition("#")  # torch's default: "file#line"
-        site = f"{file}:{line_no}" if file and line_no.isdigit() else ""
+        site = _site_of(scope_id)
         nodeid = owner.current_test()
         table.write_slot(
             slot,
@@ -174,6 +174,18 @@ class FileTimerIntake:
             self.free[pid] = []
             self.scopes = {k: v for k, v in self.scopes.items() if k[0] != pid}
         return owner
+
+
+def _site_of(scope_id: str) -> str:
+    """``file:line`` of torch's default scope name, ``"file#line"`` ("" for another).
+
+    torch's ``expires()`` names the frame above its own, which, inside its
+    ``@contextmanager``, is contextlib's ``__enter__``, not the ``with`` line: a site
+    that says nothing, and the request carries no other. Such a scope has no site."""
+    file, _, line_no = scope_id.rpartition("#")
+    if not file or not line_no.isdigit() or os.path.basename(file) == "contextlib.py":
+        return ""
+    return f"{file}:{line_no}"
 
 
 def _has_reader(path: str) -> bool:
