@@ -743,9 +743,10 @@ def child(after, scope, sleep, signum):
         time.sleep(sleep)
 
 
-def exitcode(after, scope, sleep, signum=9):
-    """A FileTimerClient in a forked child; its exit status."""
-    proc = multiprocessing.get_context("fork").Process(
+def exitcode(after, scope, sleep, signum=9, start="fork"):
+    """A FileTimerClient in a child; its exit status. A spawned one has the session's
+    stack dump handler from its start."""
+    proc = multiprocessing.get_context(start).Process(
         target=child, args=(after, scope, sleep, signum)
     )
     proc.start()
@@ -812,3 +813,44 @@ def test_file_timer_records_of_a_past_deadline_and_of_torchs_default_scope(
     assert re.fullmatch(r".+\.py#\d+", default["scope"]), default  # torch's name for it
     assert (default["file"], default["line"]) == ("", 0), default
     assert "contextlib.py:" not in session.text, session.text
+
+
+FILE_TIMER_SIGNALS = (
+    FILE_TIMER_CHILD
+    + """
+
+def test_signal_zero():
+    assert exitcode(0.3, "signal-0", 1.5, 0, "spawn") == 0
+
+
+def test_sigkill():
+    assert exitcode(0.3, "signal-kill", 60, 9, "spawn") == -9
+
+
+def test_sigusr1():
+    assert exitcode(0.3, "signal-usr1", 60, 10, "spawn") == -10
+"""
+)
+
+
+@pytest.mark.expires(TORCH_BUDGET)
+def test_a_file_timer_request_ends_its_process_with_its_own_signal(
+    pytester: pytest.Pytester,
+) -> None:
+    """torch ends an expired worker with the request's signal (FileTimerClient's default
+    is SIGKILL), and "a negative or zero signal will not kill the process". The signal
+    was ignored: every expired client got SIGTERM, signal=0 included. Now the stacks
+    are dumped first, as before, then the process ends by its signal; with a signal of
+    0 it runs on, and the expiry is recorded all the same."""
+    pytester.makepyfile(test_signals=FILE_TIMER_SIGNALS)
+    session = run(pytester, f"--elastic-timer-grace={GRACE:g}", "-rA", timeout=TORCH_TIMEOUT)
+    session.assert_clean()
+    session.result.assert_outcomes(passed=3)
+    left = session.record("signal-0")
+    assert left["action"] == "reported" and left["killed"] == [], left
+    assert re.search(r"line \d+ in child\b", left["stack"]), left["stack"]
+    for scope, action in (("signal-kill", "killed"), ("signal-usr1", "terminated")):
+        record = session.record(scope)
+        assert record["action"] == action and len(record["killed"]) == 1, record
+        assert re.search(r"line \d+ in child\b", record["stack"]), record["stack"]
+    assert "expired after" in session.stdout and ": reported" in session.stdout, session.stdout

@@ -84,6 +84,22 @@ FLAG_TEST_PHASE = 1  # the scope of a test phase (setup/call/teardown), entered 
 # site of its own: they follow from the test entry its nodeid sid points at.
 PHASE_FLAGS = {"setup": 1 << 1, "call": 2 << 1, "teardown": 3 << 1}
 _PHASE_NAMES = {code: name for name, code in PHASE_FLAGS.items()}
+# How the expiry of a slot that the watchdog wrote for an adopted process (a torch
+# file-timer request) ends that process; the owner's own slots never carry these.
+FLAG_LEFT_RUNNING = 1 << 3  # the expiry is recorded, the process is not ended
+END_SIGNAL_SHIFT = 8  # bits 8-15: the signal that ends it (0: the ladder's SIGTERM)
+
+
+def end_flags(signum: int) -> int:
+    """The flags of a slot whose expiry ends its adopted owner with ``signum`` (torch's
+    rule: a signal of 0 or below leaves it running)."""
+    return FLAG_LEFT_RUNNING if signum <= 0 else (signum & 0xFF) << END_SIGNAL_SHIFT
+
+
+def end_signal(flags: int) -> int | None:
+    """The signal that :func:`end_flags` put in ``flags``: None to leave the owner
+    running, 0 for the ladder's own ending."""
+    return None if flags & FLAG_LEFT_RUNNING else (flags >> END_SIGNAL_SHIFT) & 0xFF
 
 
 def file_name(pid: int) -> str:

@@ -11,8 +11,9 @@ reuse); anything else is dropped and counted.
 Each requesting process is adopted by the watchdog, which keeps a scope table for it in
 its own memory; this intake writes the slots into it. From there the usual scan and
 escalation ladder apply (no interrupt -- such a process has no handler for it -- but a
-stack dump where the session's start-up hook installed one, then termination of its
-process tree).
+stack dump where the session's start-up hook installed one, then the end of its process
+tree, by the request's signal as torch's server sends it; a signal of 0 or below leaves
+the process running, as torch does, and the expiry is only recorded).
 
 torch's elastic agent takes the path over when the code under test starts it with
 ``TORCHELASTIC_ENABLE_FILE_TIMER=1`` (torchrun, ``elastic_launch``): its
@@ -32,6 +33,7 @@ import contextlib
 import json
 import math
 import os
+import signal
 import socket
 import stat
 import time
@@ -121,7 +123,7 @@ class FileTimerIntake:
         if request is None:
             self.host.drop()
             return
-        pid, scope_id, expiration = request
+        pid, scope_id, expiration, signum = request
         owner = self._owner(pid)
         if owner is None:
             self.host.drop()  # not a process of this session
@@ -154,7 +156,7 @@ class FileTimerIntake:
             table.add_string(nodeid) if nodeid else 0,
             0.0,
             0,
-            0,
+            tbl.end_flags(signum),
         )
         self.host.wake(pid, deadline)
 
@@ -201,8 +203,12 @@ def _has_reader(path: str) -> bool:
     return True
 
 
-def _parse(line: bytes) -> tuple[int, str, float] | None:
-    """(pid, scope_id, expiration_time) of a well-formed request, else None."""
+def _parse(line: bytes) -> tuple[int, str, float, int] | None:
+    """(pid, scope_id, expiration_time, signal) of a well-formed request, else None.
+
+    The signal is torch's: the one that ends the process at the expiry, or 0 or below
+    to leave it running. One that is missing or no signal of this system is the
+    SIGTERM of the session's ladder, so that the scope is still enforced."""
     try:
         value = json.loads(line)
     except (ValueError, UnicodeDecodeError, RecursionError):  # b"[" * 1000 nests too deep
@@ -225,4 +231,7 @@ def _parse(line: bytes) -> tuple[int, str, float] | None:
         or not math.isfinite(expiration)
     ):
         return None
-    return pid, scope_id, float(expiration)
+    signum = value.get("signal")
+    if not isinstance(signum, int) or isinstance(signum, bool) or signum >= signal.NSIG:
+        signum = signal.SIGTERM
+    return pid, scope_id, float(expiration), signum

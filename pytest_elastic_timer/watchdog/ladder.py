@@ -6,7 +6,9 @@
    read afterwards);
 2. dump      -- after the grace period, faulthandler dumps every thread of the owner;
 3. terminate -- SIGTERM (and SIGCONT) to the owner's process tree, children first,
-   SIGKILL to what survives ``kill_after``;
+   SIGKILL to what survives ``kill_after``; for an adopted owner (a torch file-timer
+   client), the signal its request named instead of SIGTERM, or, for a signal of 0 or
+   below, nothing: torch leaves such a process running, and so does this;
 4. record    -- one record per scope (:mod:`.recorder`).
 
 The ladder is a generator: each ``yield`` is the delay until its next step, and the
@@ -143,6 +145,12 @@ class Ladder:
             forget(owner, expiry)  # unwound by an enclosing scope: no record of its own
 
     def _terminate(self, owner: Owner, expiry: Expiry, stack: str) -> Generator[float, None, None]:
+        # Only the watchdog writes an adopted owner's table: its slots' flags say how a
+        # torch request asked its process to end. A registered owner's never count.
+        signum = tbl.end_signal(expiry.flags) if owner.conn is None else 0
+        if signum is None:
+            self.record(owner, expiry, "reported", stack, [])
+            return
         # Zombies left out: nothing to end, and nothing the owner runs now.
         tree = proctree.alive(proctree.tree_of(owner.proc, {os.getpid()}))
         if not expiry.children:
@@ -153,13 +161,13 @@ class Ladder:
             # summary the moment it is gone, so they come first (and again, final, later).
             self.record(owner, expiry, "terminated", stack, ended, final=False)
             self.ending_root()
-        proctree.send(tree, signal.SIGTERM)
+        proctree.send(tree, signum or signal.SIGTERM)
         proctree.send(tree, signal.SIGCONT)  # a stopped process acts on SIGTERM once it runs
         give_up = self.clock() + self.kill_after
         while proctree.alive(tree) and self.clock() < give_up:
             yield GONE_CHECK
         survivors = proctree.alive(tree)
-        action = "terminated"
+        action = "killed" if signum == signal.SIGKILL else "terminated"
         if survivors:
             proctree.send(survivors, signal.SIGKILL)
             if owner.proc in survivors:

@@ -45,6 +45,7 @@ class Expiry:
     grace: float
     thread_id: int
     phase: str = ""  # what the owner's pytest was doing at the expiry (its table's word)
+    flags: int = 0  # the slot's (for an adopted owner: how the expiry ends it)
     report: dict[str, Any] | None = None  # what the owner said when it raised
     children: list[dict[str, Any]] = field(default_factory=list)  # their stacks at expiry
     # reads the stacks the processes below the owner were asked for (their dump files)

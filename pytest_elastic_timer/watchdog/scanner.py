@@ -99,6 +99,7 @@ class Scanner:
             grace=slot.grace if slot.grace > 0 else self.grace,
             thread_id=slot.thread_id,
             phase=owner.phase(),
+            flags=slot.flags,
         )
         owner.expiries[slot.serial] = expiry
         expiry.steps = self.ladder.steps(owner, expiry)
