@@ -15,6 +15,9 @@ import contextlib
 import os
 import re
 import signal
+import subprocess
+import sys
+import time
 from typing import Any
 
 import pytest
@@ -854,3 +857,75 @@ def test_a_file_timer_request_ends_its_process_with_its_own_signal(
         assert record["action"] == action and len(record["killed"]) == 1, record
         assert re.search(r"line \d+ in child\b", record["stack"]), record["stack"]
     assert "expired after" in session.stdout and ": reported" in session.stdout, session.stdout
+
+
+# -- the user's own FileTimerServer --------------------------------------------------------
+USERS_SERVER = """
+import sys
+import time
+
+import torch.distributed.elastic.timer as timer
+
+
+def log(name, request):
+    with open(sys.argv[2], "a", encoding="utf-8") as f:
+        f.write(f"{name} {request.scope_id if request else ''}\\n")
+
+
+server = timer.FileTimerServer(sys.argv[1], "user", 0.05, log_event=log)
+server.start()
+time.sleep(120)  # it ends itself (SIGKILL) once it ended an expired client
+"""
+
+USERS_TIMER_FILE = (
+    FILE_TIMER_CHILD
+    + """
+USERS = os.environ["USERS_TIMER_FILE"]
+
+
+def test_the_users_value_is_kept():
+    assert os.environ["TORCHELASTIC_TIMER_FILE"] == USERS
+
+
+def test_a_session_inside_a_test_sees_it_too(pytester):
+    pytester.makepyfile(
+        test_inner="import os\\n"
+        "def test_inner():\\n"
+        "    assert os.environ['TORCHELASTIC_TIMER_FILE'] == os.environ['USERS_TIMER_FILE']\\n"
+    )
+    pytester.runpytest_inprocess("-p", "no:cacheprovider").assert_outcomes(passed=1)
+    assert os.environ["TORCHELASTIC_TIMER_FILE"] == USERS
+
+
+def test_the_users_server_enforces():
+    assert exitcode(0.3, "users-step", 60) == -9
+"""
+)
+
+
+@pytest.mark.expires(TORCH_BUDGET)
+def test_a_torch_timer_file_the_user_set_is_theirs(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A TORCHELASTIC_TIMER_FILE set before the session names the user's own
+    FileTimerServer: the session exported its FIFO over it, so the user's server got
+    no requests, and a session run in-process by a test unset it. It is kept."""
+    fifo, log = pytester.path / "users.fifo", pytester.path / "users.log"
+    server = subprocess.Popen([sys.executable, "-c", USERS_SERVER, str(fifo), str(log)])
+    try:
+        deadline = time.monotonic() + 60
+        while not log.exists() and time.monotonic() < deadline:  # "watchdog started"
+            time.sleep(0.05)
+        monkeypatch.setenv("USERS_TIMER_FILE", str(fifo))
+        monkeypatch.setenv("TORCHELASTIC_TIMER_FILE", str(fifo))
+        pytester.makepyfile(test_users=USERS_TIMER_FILE)
+        session = run(pytester, "-rA", "-p", "pytester", timeout=TORCH_TIMEOUT)
+        session.assert_clean()
+        session.result.assert_outcomes(passed=3)
+        assert session.report is not None and session.report["expired"] == [], session.report
+        assert "timer expired users-step" in log.read_text(), log.read_text()
+        assert server.wait(30) == -9  # torch's server ends itself after a worker
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from pytest_elastic_timer.core import startup, unpatched
-from pytest_elastic_timer.plugin import launcher, leaks
+from pytest_elastic_timer.plugin import launcher, leaks, torch_timer_file
 from pytest_elastic_timer.plugin.state import (
     SESSION,
     SessionState,
@@ -73,14 +73,18 @@ def start_watchdog(config: pytest.Config, state: SessionState) -> None:
     state.watchdog = handle
     _export(
         state,
-        {
-            client.ENV_ADDRESS: handle.address,
-            client.ENV_SCALE: repr(settings.scale),
-            client.ENV_TRACE: "1" if settings.trace else None,
-            startup.ENV_DUMP_SIGNAL: str(startup.session_dump_signal()),
-            startup.ENV_TORCH_TIMER_FILE: os.path.join(handle.directory, startup.TORCH_TIMER_FIFO),
-            "PYTHONPATH": startup.python_path(os.environ.get("PYTHONPATH")),
-        },
+        _but_the_users_timer_file(
+            {
+                client.ENV_ADDRESS: handle.address,
+                client.ENV_SCALE: repr(settings.scale),
+                client.ENV_TRACE: "1" if settings.trace else None,
+                startup.ENV_DUMP_SIGNAL: str(startup.session_dump_signal()),
+                startup.ENV_TORCH_TIMER_FILE: os.path.join(
+                    handle.directory, startup.TORCH_TIMER_FIFO
+                ),
+                "PYTHONPATH": startup.python_path(os.environ.get("PYTHONPATH")),
+            }
+        ),
     )
     state.put_back_scopes = scopes.set_aside()
     # Connect now; the answer to our hello is not waited for (see ProcessState).
@@ -97,6 +101,15 @@ def warn_without_watchdog(config: pytest.Config, text: str) -> None:
         config.issue_config_time_warning(warning, stacklevel=3)
     except pytest.PytestWarning:
         sys.stderr.write(f"{warning}\n")
+
+
+def _but_the_users_timer_file(values: dict[str, str | None]) -> dict[str, str | None]:
+    """``values`` without ``TORCHELASTIC_TIMER_FILE`` where the user set it to a
+    ``FileTimerServer`` of their own (checked before the address changes): their
+    server enforces their requests, and a session inside a test sees what it saw."""
+    if not torch_timer_file.named_by_user():
+        return values
+    return {k: v for k, v in values.items() if k != startup.ENV_TORCH_TIMER_FILE}
 
 
 def _export(state: SessionState, values: dict[str, str | None]) -> None:
@@ -149,13 +162,15 @@ def _on_its_own(state: SessionState) -> None:
     set aside, as for a watchdog of its own."""
     _export(
         state,
-        {
-            client.ENV_ADDRESS: None,
-            client.ENV_SCALE: repr(state.settings.scale),
-            client.ENV_TRACE: None,
-            startup.ENV_DUMP_SIGNAL: None,
-            startup.ENV_TORCH_TIMER_FILE: None,
-        },
+        _but_the_users_timer_file(
+            {
+                client.ENV_ADDRESS: None,
+                client.ENV_SCALE: repr(state.settings.scale),
+                client.ENV_TRACE: None,
+                startup.ENV_DUMP_SIGNAL: None,
+                startup.ENV_TORCH_TIMER_FILE: None,
+            }
+        ),
     )
     state.put_back_scopes = scopes.set_aside()
     scopes.process_state().set_nodeid("")  # not the outer session's test

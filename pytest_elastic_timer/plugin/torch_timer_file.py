@@ -28,10 +28,11 @@ class TorchTimerFile:
     @classmethod
     def of_session(cls) -> TorchTimerFile | None:
         """The FIFO of the watchdog this process's environment names; None where the
-        session has no watchdog here (scopes enforced in-process)."""
+        session has no watchdog here (scopes enforced in-process), or the environment
+        names the user's own file (:func:`named_by_user`)."""
         address = os.environ.get(client.ENV_ADDRESS, "")
         path = os.environ.get(startup.ENV_TORCH_TIMER_FILE, "")
-        if not address or path != os.path.join(os.path.dirname(address), startup.TORCH_TIMER_FIFO):
+        if not address or path != _fifo_of(address):
             return None
         return cls(path)
 
@@ -42,3 +43,17 @@ class TorchTimerFile:
         answer = process.request("torch_timer_file")
         # Without an answer (the watchdog is gone), what is there now: asked only once.
         self.seen = answer["identity"] if "identity" in answer else startup.file_identity(self.path)
+
+
+def named_by_user() -> bool:
+    """Whether ``TORCHELASTIC_TIMER_FILE`` is the user's own: set, and not the FIFO of
+    the session whose watchdog the environment names (an outer session's, which a
+    session run inside one of its tests inherits). The user's ``FileTimerServer``
+    reads it: a session leaves it as it is, and its watchdog gets no requests."""
+    path = os.environ.get(startup.ENV_TORCH_TIMER_FILE, "")
+    return bool(path) and path != _fifo_of(os.environ.get(client.ENV_ADDRESS, ""))
+
+
+def _fifo_of(address: str) -> str:
+    """The file-timer FIFO of the watchdog at ``address`` ("" for none)."""
+    return os.path.join(os.path.dirname(address), startup.TORCH_TIMER_FIFO) if address else ""
