@@ -325,12 +325,21 @@ def test_a_grace_longer_than_a_slot_holds_is_held_as_forever(pytester: pytest.Py
     session.result.assert_outcomes(passed=1)
 
 
-@pytest.mark.parametrize("expiration", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("expiration", [float("nan"), float("inf"), float("-inf"), 10**400])
 def test_the_torch_client_rejects_an_expiration_that_is_no_time(expiration: float) -> None:
     client = et.TimerClient()
     with pytest.raises(ValueError, match=r"expiration_time must be a finite time\.time\(\)"):
         client.acquire("step", expiration)
     client.release("step")  # nothing was opened: a no-op
+
+
+@pytest.mark.parametrize("expiration", ["1", True, None, b"1"])
+def test_the_torch_client_rejects_an_expiration_that_is_no_number(expiration: object) -> None:
+    """A string or a bool was taken as a time, None was float()'s own TypeError."""
+    client = et.TimerClient()
+    with pytest.raises(TypeError, match=r"expiration_time must be a time\.time\(\) value"):
+        client.acquire("step", expiration)  # type: ignore[arg-type]
+    client.release("step")
 
 
 def test_timer_request_rejects_a_non_string_scope() -> None:

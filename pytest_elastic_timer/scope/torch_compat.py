@@ -11,6 +11,7 @@ by :func:`configure_torch`.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import sys
 import threading
@@ -59,7 +60,13 @@ class TimerClient:
         """Open scope ``scope_id`` that expires at wall-clock ``expiration_time``."""
         # torch's expires() read time.time() just before, as this does: on the same clock
         # (a frozen one, while a test freezes time), whatever the test did to it.
-        expiration = float(expiration_time)
+        value: object = expiration_time  # untyped callers pass anything
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"expiration_time must be a time.time() value, not {value!r}")
+        try:
+            expiration = float(value)
+        except OverflowError:  # an int too big for a float: no time either
+            expiration = math.inf
         if not math.isfinite(expiration):
             raise ValueError(
                 f"expiration_time must be a finite time.time() value, not {expiration_time!r}"
