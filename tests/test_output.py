@@ -204,6 +204,18 @@ def test_a_process_ended_in_a_passing_test_is_listed_not_counted_as_caught(
     assert "1 scope expired inside tests that passed (caught on purpose)" in text, text
 
 
+def test_no_count_of_caught_expiries_when_none_was_caught(pytester: pytest.Pytester) -> None:
+    """A passing test whose helper had to be ended, and no interrupt caught: the helper
+    is listed, and no line counts "0 scopes" caught on purpose."""
+    pytester.makepyfile(test_helper=HELPER_ENDED_IN_A_PASSING_TEST)
+    session = run(pytester, "--elastic-timer-grace=0.5", "-k", "test_leaves_a_helper")
+    session.assert_clean()
+    session.result.assert_outcomes(passed=1, deselected=1)
+    text = summary_section(session.stdout)
+    assert "scope 'helper-stuck' expired after" in text, text
+    assert "caught on purpose" not in text, text
+
+
 def test_v_lists_expiries_caught_in_passing_tests(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_caught=CAUGHT)
     session = run(pytester, "-v")

@@ -282,8 +282,8 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
             terminalreporter.write_line(
                 record_text(config, record, with_stack=record.action != "interrupted")
             )
-        if caught:
-            count = len(found) - len(listed)
+        count = len(found) - len(listed)
+        if count:  # a passing test's helper that had to be ended is listed, not caught
             terminalreporter.write_line(
                 f"{count} scope{'s' if count != 1 else ''} expired inside tests that passed "
                 "(caught on purpose); -v lists them"
