@@ -494,6 +494,43 @@ def test_max_worker_restart_0_ends_the_session_with_a_summary_line(
     assert_all_gone(session, all_pids(pytester))
 
 
+HANGS_THEN_ONE = """
+import pytest
+
+
+@pytest.mark.expires(0.3, grace=0.2)
+@pytest.mark.parametrize("i", range(6))
+def test_hang(i):
+    sum(range(10**11))
+
+
+def test_z():
+    pass
+"""
+
+
+def test_xdists_default_restart_limit_ends_the_session_with_a_summary_line(
+    pytester: pytest.Pytester,
+) -> None:
+    """Without --max-worker-restart, xdist allows 4 restarts per worker: the fifth
+    worker the watchdog ends stops the session, and the summary says so."""
+    pytester.makepyfile(test_r=HANGS_THEN_ONE)
+    session = run(pytester, "-p", "xdist", "-n", "1", "-rA")
+    found = results(session)
+    assert sum(n for (word, _), n in found.items() if word == "TIMEOUT") == 5, session.text
+    assert ("PASSED", "test_r.py::test_z") not in found
+    assert session.report is not None
+    ended = sorted({r["worker"] for r in session.report["expired"]})
+    assert len(ended) == 5, ended
+    limit = [line for line in session.lines if "--max-worker-restart" in line]
+    assert limit == [
+        f"elastic-timer: the watchdog ended 5 worker(s) ({', '.join(ended)}) for expired "
+        "scopes; --max-worker-restart=4 (xdist's default: 4 per worker) stopped the "
+        "session early"
+    ], limit
+    assert_all_gone(session, {r["pid"] for r in session.report["expired"]})
+
+
 # -- a worker hung in a session fixture's teardown: bounded by --expires-session ------
 SESSION_FIXTURE = """
 import time
