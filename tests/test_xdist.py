@@ -407,6 +407,49 @@ def test_z_2():
 }
 
 
+EACH_TESTS = (
+    RECORD_PID
+    + """
+
+def test_first():
+    record_pid("test_first")
+    if os.environ["PYTEST_XDIST_WORKER"] == "gw1":
+        time.sleep(4)  # gw0's run of test_hang has been ended by then
+
+
+@pytest.mark.expires(1, grace=0.3)
+def test_hang():
+    record_pid("test_hang")
+    if os.environ["PYTEST_XDIST_WORKER"] == "gw0":
+        sum(range(10**11))
+    time.sleep(0.1)
+
+
+def test_ok():
+    record_pid("test_ok")
+"""
+)
+
+
+def test_under_dist_each_a_test_ended_on_one_worker_runs_on_the_others(
+    pytester: pytest.Pytester,
+) -> None:
+    """``--dist each``: every worker runs every test. The watchdog's ending of a test on
+    one worker keeps no other worker from running (and reporting) it."""
+    pytester.makepyfile(test_e=EACH_TESTS)
+    session = run_xdist(pytester, "--dist=each", "-rA")
+    found = results(session)
+    assert found == {
+        ("PASSED", "test_e.py::test_first"): 2,
+        ("TIMEOUT", "test_e.py::test_hang"): 1,
+        ("PASSED", "test_e.py::test_hang"): 1,
+        ("PASSED", "test_e.py::test_ok"): 2,
+    }, session.text
+    assert final_line(session) == "1 failed, 5 passed"
+    assert sorted(worker for worker, *_ in runs(pytester, "test_hang")) == ["gw0", "gw1"]
+    assert_all_gone(session, all_pids(pytester))
+
+
 def run_or_kill(pytester: pytest.Pytester, args: list[str], timeout: float) -> int | None:
     """Run an inner pytest; its exit status, or None when it hung (its whole process
     tree is killed then, so nothing is left behind)."""

@@ -6,10 +6,11 @@ worker and turns the report into a timeout report: failed in its real phase, at 
 test's location, the scope line first, the stack dump as a section.
 
 Worker side: xdist hands the crashed test back to the scheduler under some ``--dist``
-modes (loadscope, loadfile, loadgroup re-queue the whole work unit). A worker never runs
-a test again whose scope the watchdog already had to terminate: it tears down what the
-next test does not need, exactly as pytest would, and reports nothing, so the test is
-reported once.
+modes (loadscope, loadfile, loadgroup re-queue the whole work unit), to any worker. A
+worker never runs a test again whose scope the watchdog already had to terminate: it
+tears down what the next test does not need, exactly as pytest would, and reports
+nothing, so the test is reported once. Under ``--dist each`` every worker runs every
+test and none is handed back: a test ended on one worker still runs on the others.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from pytest_elastic_timer.plugin.state import (
 from pytest_elastic_timer.scope import client, scopes
 
 ADDRESS_KEY = "elastic_timer_address"
+EACH_KEY = "elastic_timer_each"  # every worker runs every test (--dist each)
 BUDGETS_KEY = "elastic_timer_budgets"  # a worker's marked tests' budgets, in its output
 SCOPE_PROPERTY = "elastic_timer_scope"
 HARD_ACTIONS = ("terminated", "killed")
@@ -70,6 +72,8 @@ def pytest_configure_node(node: Any) -> None:
     address = os.environ.get(client.ENV_ADDRESS)
     if address:
         node.workerinput[ADDRESS_KEY] = address
+    # The worker's own config says "no" dist mode (xdist sets it so): tell it this one.
+    node.workerinput[EACH_KEY] = node.config.getoption("dist", "no") == "each"
     _offer_host_watchdog(node, address)
 
 
@@ -317,10 +321,12 @@ EXPLAINED = pytest.StashKey[set[Any]]()
 
 def configure_worker(config: pytest.Config) -> None:
     workerinput: dict[str, Any] = getattr(config, "workerinput", {})
+    # Under --dist each no test is handed to another worker: none is skipped.
+    skips_ended = not workerinput.get(EACH_KEY, False)
     if remote_hosts.join(config, workerinput.get(remote_hosts.HOST_KEY)):
         # On another host: its own watchdog serves it, and keeps its records.
         address = os.environ.get(client.ENV_ADDRESS)
-        if address:
+        if address and skips_ended:
             config.stash[ENDED] = EndedTests(records_beside(address))
         return
     address = os.environ.get(client.ENV_ADDRESS) or workerinput.get(ADDRESS_KEY)
@@ -331,7 +337,8 @@ def configure_worker(config: pytest.Config) -> None:
     # the ini file (pytest-env) sets it again in each worker, before this runs: the
     # processes the worker starts still get the session's start-up hook first.
     os.environ["PYTHONPATH"] = startup.python_path(os.environ.get("PYTHONPATH"))
-    config.stash[ENDED] = EndedTests(records_beside(address))
+    if skips_ended:
+        config.stash[ENDED] = EndedTests(records_beside(address))
 
 
 @pytest.hookimpl(tryfirst=True)
