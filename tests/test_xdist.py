@@ -672,6 +672,118 @@ def test_a_session_budget_that_ends_a_stuck_worker_stops_the_session(
     assert_all_gone(session, all_pids(pytester) | {record["pid"]})
 
 
+# -- the session's budget running out during collection ------------------------------
+ONE_WORKER_HANGS_IN_COLLECTION = (
+    RECORD_PID
+    + """
+
+if os.environ["PYTEST_XDIST_WORKER"] == "gw1":
+    {hang}
+
+
+def test_a():
+    record_pid("test_a")
+
+
+def test_b():
+    record_pid("test_b")
+"""
+)
+STOP_LINE = re.compile(
+    r"Interrupted: scope 'session' expired after [\d.]+s \(budget 3s\): (\w+) "
+    r"\(phase collection, (gw\d+)\)"
+)
+
+
+def stop_line(session: Session) -> tuple[str, str]:
+    """The action and the worker that the line the session stopped with names."""
+    found = [m.groups() for line in session.lines if (m := STOP_LINE.search(line))]
+    assert found, session.text
+    return found[0]
+
+
+@pytest.mark.parametrize(
+    "hang", ["time.sleep(60)", "sum(range(10**11))"], ids=["interruptible", "gil"]
+)
+def test_a_worker_waiting_for_tests_lets_the_one_stuck_in_collection_stop_the_session(
+    pytester: pytest.Pytester, hang: str
+) -> None:
+    """--expires-session runs out while gw1 is stuck collecting and gw0, collected,
+    waits for tests: the session stops as the guide says, with gw1's scope line
+    (interrupted, or terminated out of a C call), no internal error, no test run, and
+    gw0 is neither blamed nor ended."""
+    pytester.makepyfile(test_c=ONE_WORKER_HANGS_IN_COLLECTION.format(hang=hang))
+    session = run_xdist(pytester, GRACE, "--expires-session=3")
+    session.assert_clean()
+    assert session.result.ret == pytest.ExitCode.INTERRUPTED, session.text
+    action, worker = stop_line(session)
+    assert worker == "gw1"
+    assert action == ("interrupted" if hang.startswith("time") else "terminated")
+    assert "elastic-timer: expired scopes" in session.stdout
+    assert "Different tests were collected" not in session.stdout  # gw1 handed none
+    assert not (pytester.path / "pids").exists()
+    assert session.report is not None
+    expired = session.report["expired"]
+    assert [r["phase"] for r in expired if r["worker"] == "gw1"] == ["collection"], expired
+    # gw0 had collected: its own expiry (if it came first) says so, and ended nothing.
+    for record in expired:
+        if record["worker"] == "gw0":
+            assert (record["phase"], record["action"]) == ("between tests", "interrupted")
+    # Only the worker that had to be ended is replaced (its replacement runs nothing).
+    assert ("replacing crashed worker" in session.text) == (action == "terminated")
+    assert session.seconds < 3 + 0.5 + 5 + 8, session.text
+    assert_all_gone(session, {r["pid"] for r in expired})
+
+
+EVERY_WORKER_HANGS_IN_COLLECTION = {
+    "test_c": RECORD_PID + "\ntime.sleep(60)\n\n\ndef test_c():\n    record_pid('test_c')\n",
+    "test_d": RECORD_PID + "\n\ndef test_d():\n    record_pid('test_d')\n",
+}
+
+
+def test_workers_stuck_in_collection_are_not_replaced_by_ones_that_collect_again(
+    pytester: pytest.Pytester,
+) -> None:
+    """Every worker hangs importing test_c.py: the session's budget stops the session
+    with a worker's scope line; no replacement worker collects (and hangs) again, and
+    no test runs."""
+    pytester.makepyfile(**EVERY_WORKER_HANGS_IN_COLLECTION)
+    session = run_xdist(pytester, GRACE, "--expires-session=3")
+    session.assert_clean()
+    assert session.result.ret == pytest.ExitCode.INTERRUPTED, session.text
+    assert stop_line(session)[0] == "interrupted"
+    assert "replacing crashed worker" not in session.text
+    assert session.stdout.count("ERROR collecting test_c.py") <= 2, session.stdout
+    assert not (pytester.path / "pids").exists()
+    assert session.report is not None
+    workers = sorted(r["worker"] for r in session.report["expired"] if r["worker"])
+    assert set(workers) <= {"gw0", "gw1"}, workers
+    assert session.seconds < 3 + 8, session.text
+    assert_all_gone(session, {r["pid"] for r in session.report["expired"]})
+
+
+def test_a_replacement_for_a_worker_ended_in_collection_collects_nothing(
+    pytester: pytest.Pytester,
+) -> None:
+    """-n 1: the only worker is stuck in a C call while it imports a test module, and is
+    ended for the session's budget. The session stops with its line; the replacement
+    that xdist starts imports nothing (it would hang again, on a budget of its own)."""
+    pytester.makepyfile(test_c="sum(range(10**11))\n\n\ndef test_a():\n    pass\n")
+    session = run(pytester, "-p", "xdist", "-n", "1", GRACE, "--expires-session=2")
+    session.assert_clean()
+    assert session.result.ret == pytest.ExitCode.INTERRUPTED, session.text
+    assert re.search(
+        r"Interrupted: scope 'session' expired after [\d.]+s \(budget 2s\): "
+        rf"{HARD} \(phase collection, gw0\)",
+        session.text,
+    ), session.text
+    assert session.report is not None
+    ended = [r for r in session.report["expired"] if r["worker"]]
+    assert [r["worker"] for r in ended] == ["gw0"], ended
+    assert session.seconds < 2 + 0.5 + 5 + 6, session.text
+    assert_all_gone(session, {r["pid"] for r in session.report["expired"]})
+
+
 @pytest.mark.parametrize("stop", [["-x"], ["--maxfail=1"]], ids=["x", "maxfail"])
 def test_a_test_whose_worker_was_ended_counts_for_maxfail(
     pytester: pytest.Pytester, stop: list[str]

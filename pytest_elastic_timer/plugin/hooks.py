@@ -198,8 +198,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_collection(session: pytest.Session) -> Generator[None, None, None]:
     scopes.process_state().set_phase("collection")
-    collected = yield
     state = session.config.stash[SESSION]
+    with lifecycle.collection_of_worker(session):
+        collected = yield
     # Read again once the items are final: conftest code and plugins add ``expires``
     # markers in pytest_collection_modifyitems.
     state.budgets.add_items(session.items)
@@ -217,6 +218,10 @@ def pytest_collection(session: pytest.Session) -> Generator[None, None, None]:
         state.watchdog.reap_its_shell()
     if state.adopts_orphans and state.leak_watch is not None:
         state.leak_watch.adopt_orphans()
+    # Collected: until the first test's setup the process waits for it (an xdist
+    # worker, for the controller to send one), which its records must not call
+    # collection.
+    scopes.process_state().set_phase(lifecycle.BETWEEN_TESTS)
     return collected
 
 

@@ -4,10 +4,11 @@ that keeps child processes in the session, the session's own budget
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,9 @@ if TYPE_CHECKING:
 
 SESSION_END_GRACE = 5.0  # for the session's end (summary, reports) after its interrupt
 SESSION_SCOPE = "session"  # the name of the session's own scope (--expires-session)
+# The phase of a pytest process after collection and between two tests: in an xdist
+# worker, xdist's loop that waits for the controller's next test.
+BETWEEN_TESTS = "between tests"
 
 
 def session_facts(config: pytest.Config, state: SessionState) -> dict[str, Any]:
@@ -312,7 +316,7 @@ def leave_session_scope(state: SessionState) -> None:
             pass  # already reported: the session overran while it was ending
 
 
-def _end_session(state: SessionState, exc: ScopeExpired) -> BaseException:
+def _end_session(state: SessionState, exc: ScopeExpired) -> BaseException | None:
     """A session over its budget stops where it is, with the scope line as reason."""
     phase = scopes.process_state().phase()
     session = state.session
@@ -321,15 +325,77 @@ def _end_session(state: SessionState, exc: ScopeExpired) -> BaseException:
     worker = worker_id(session.config) if session is not None else ""
     where = ", ".join(x for x in (f"phase {phase}" if phase else "", worker) if x)
     reason = f"{exc.line()} ({where})" if where else exc.line()
+    if worker:
+        return _end_worker_session(state, exc, reason, phase)
     if session is not None:
         # Where the exception is caught (a fixture finalizer records it as a teardown
         # error), the session must still not start another test.
         session.shouldstop = reason
-    if worker:
-        return exc  # xdist takes Exit in a worker for Ctrl-C: fail where it is instead
     # Not a ScopeExpired, even in a test: code may catch that (it is a TimeoutError),
     # and it may land in the reporting hooks after a phase, outside pytest's catch.
     return pytest.exit.Exception(reason)
+
+
+def _end_worker_session(
+    state: SessionState, exc: ScopeExpired, reason: str, phase: str
+) -> BaseException | None:
+    """An xdist worker over the session's budget fails where it is and stops; the
+    controller stops the whole session with ``reason``.
+
+    Not with Exit, nor ``shouldstop``, which pytest's collection turns into Interrupted:
+    xdist takes either in a worker for Ctrl-C, and replaces the worker, which collects
+    (and hangs) again. ``shouldfail`` stops collection (with Failed, at the next
+    collector) and xdist's test loop (after the test) the same way, and the worker hands
+    it to the controller, which stops the session with it."""
+    if state.session is not None:
+        state.session.shouldfail = reason
+    if phase == BETWEEN_TESTS:
+        # In xdist's loop, waiting for the controller's next test (or its shutdown):
+        # nothing of the worker's own to interrupt, and an exception there would be an
+        # internal error of xdist. It starts no test from now on (see
+        # stop_worker_after_the_budget), and is not ended either: a worker stuck in
+        # a test or in collection, whose expiry comes at the same time, is the one
+        # that names why the session stops. The controller's own, longer budget
+        # bounds the wait.
+        if state.session_scope is not None:
+            state.session_scope.cancel()
+        return None
+    return exc
+
+
+def session_budget_ran_out(state: SessionState) -> bool:
+    """Whether the session's own budget (``--expires-session``) has run out."""
+    scope = state.session_scope
+    return scope is not None and scope.expired()
+
+
+@contextlib.contextmanager
+def collection_of_worker(session: pytest.Session) -> Iterator[None]:
+    """Around an xdist worker's collection: a ScopeExpired of the session's budget that
+    left it outside every collector (a plugin's hook) would be an internal error; the
+    worker stops (Failed) instead, with the reason the controller stops the session
+    with (see :func:`stop_worker_after_the_budget`)."""
+    try:
+        yield
+    except ScopeExpired as exc:
+        if not is_worker(session.config) or exc.scope != SESSION_SCOPE or not session.shouldfail:
+            raise
+        raise session.Failed(session.shouldfail) from exc
+
+
+def stop_worker_after_the_budget(session: pytest.Session) -> None:
+    """An xdist worker whose session budget ran out (in collection, or while it waited
+    for a test) stops: Failed, with the reason the controller stops the session with,
+    before it hands the controller its collection (which would differ from the other
+    workers') or starts a test."""
+    state = session.config.stash.get(SESSION, None)
+    if (
+        state is not None
+        and is_worker(session.config)
+        and session.shouldfail
+        and session_budget_ran_out(state)
+    ):
+        raise session.Failed(session.shouldfail)
 
 
 def watchdog_lost(item: pytest.Item) -> None:

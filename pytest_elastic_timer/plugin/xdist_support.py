@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -24,10 +25,11 @@ from _pytest._code.code import ReprFileLocation, TerminalRepr
 from _pytest._io import TerminalWriter
 
 from pytest_elastic_timer.core import records, startup, unpatched
-from pytest_elastic_timer.plugin import remote_hosts
+from pytest_elastic_timer.plugin import lifecycle, remote_hosts
 from pytest_elastic_timer.plugin.lifecycle import SESSION_SCOPE
 from pytest_elastic_timer.plugin.state import (
     SESSION,
+    SessionState,
     is_worker,
     record_text,
     records_beside,
@@ -37,6 +39,7 @@ from pytest_elastic_timer.scope import client, scopes
 
 ADDRESS_KEY = "elastic_timer_address"
 EACH_KEY = "elastic_timer_each"  # every worker runs every test (--dist each)
+STOPPED_KEY = "elastic_timer_stopped"  # the session stops: why (a replacement worker's)
 BUDGETS_KEY = "elastic_timer_budgets"  # a worker's marked tests' budgets, in its output
 SCOPE_PROPERTY = "elastic_timer_scope"
 HARD_ACTIONS = ("terminated", "killed")
@@ -74,6 +77,10 @@ def pytest_configure_node(node: Any) -> None:
         node.workerinput[ADDRESS_KEY] = address
     # The worker's own config says "no" dist mode (xdist sets it so): tell it this one.
     node.workerinput[EACH_KEY] = node.config.getoption("dist", "no") == "each"
+    stopped = node.config.stash.get(STOPPED, "")
+    if stopped:
+        # A replacement xdist starts for a worker ended for the session's budget.
+        node.workerinput[STOPPED_KEY] = stopped
     _offer_host_watchdog(node, address)
 
 
@@ -100,15 +107,32 @@ def wait_for_record(
     """The watchdog's record of ``nodeid`` ending on ``worker``; waits while the
     watchdog is still escalating against that worker."""
     explained = config.stash.setdefault(EXPLAINED, set())
+
+    def pick(found: list[records.ExpiryRecord], settled: bool) -> records.ExpiryRecord | None:
+        return _explaining(found, nodeid, explained, settled=settled)
+
+    record = _wait_for(records_path, worker, patience, pick)
+    if record is not None:
+        explained.add(record.key)
+    return record
+
+
+def _wait_for(
+    records_path: str,
+    worker: str,
+    patience: float,
+    pick: Callable[[list[records.ExpiryRecord], bool], records.ExpiryRecord | None],
+) -> records.ExpiryRecord | None:
+    """The record that ``pick`` chooses among ``worker``'s (given them, and whether the
+    watchdog has stopped escalating against the worker); waits while it escalates."""
     give_up = _monotonic() + patience
     while True:
         answer = scopes.process_state().request("sync")
         found = [r for r in records.read_records(records_path) if r.worker == worker]
         pending = answer.get("pending", [])
         busy = any(p.get("worker") == worker for p in pending if isinstance(p, dict))
-        record = _explaining(found, nodeid, explained, settled=not busy)
+        record = pick(found, not busy)
         if record is not None:
-            explained.add(record.key)
             return record
         if not busy or _monotonic() > give_up:
             return None
@@ -142,12 +166,44 @@ def _explaining(
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node: Any, error: Any) -> None:
     """The budgets of a worker's tests that differ from the default (see
-    :func:`pytest_sessionfinish`), for the outputs of slow phases."""
+    :func:`pytest_sessionfinish`), for the outputs of slow phases; and a worker that
+    went down for the session's budget stops the session."""
     output = getattr(node, "workeroutput", None) or {}
     state = node.config.stash.get(SESSION, None)
     if state is not None:
         for nodeid, budgets in dict(output.get(BUDGETS_KEY, {})).items():
             state.budgets.reported[str(nodeid)] = tuple(budgets)
+    if error is not None and state is not None and state.watchdog is not None:
+        _stop_if_down_for_the_session(node, state.watchdog.records_path, state)
+
+
+def _stop_if_down_for_the_session(node: Any, records_path: str, state: SessionState) -> None:
+    """A worker that went down without finishing its session (ended by the watchdog,
+    stuck outside any test: collecting, say) after the session's budget ran out in it
+    stops the session, as when a test is running (:func:`pytest_handlecrashitem`, which
+    xdist calls only then). xdist replaces the worker all the same: the replacement
+    collects nothing (see :func:`pytest_sessionstart`)."""
+    worker = str(getattr(getattr(node, "gateway", None), "id", ""))
+
+    def pick(found: list[records.ExpiryRecord], settled: bool) -> records.ExpiryRecord | None:
+        ours = [r for r in found if r.scope == SESSION_SCOPE]
+        return ours[-1] if ours else None
+
+    record = _wait_for(records_path, worker, state.ended_worker_patience(), pick)
+    if record is not None:
+        _stop_for_the_session_budget(node.config, record)
+
+
+def _stop_for_the_session_budget(config: pytest.Config, record: records.ExpiryRecord) -> None:
+    """Stop the session for the session's budget, run out in a worker that had to be
+    ended: with its scope line, phase and worker, as the worker itself says it when it
+    fails where it is."""
+    where = ", ".join(
+        x for x in (f"phase {record.phase}" if record.phase else "", record.worker) if x
+    )
+    reason = f"{record.line_text()} ({where})"
+    config.stash.setdefault(STOPPED, reason)
+    _stop_the_session(config, reason)
 
 
 # trylast: a plugin that runs the test again (pytest-rerunfailures) has said so in
@@ -188,7 +244,7 @@ def pytest_handlecrashitem(crashitem: str, report: pytest.TestReport, sched: Any
         report.sections.append(("elastic-timer stack dump", stack_text(config, record.stack)))
     report.user_properties.append((SCOPE_PROPERTY, record.scope))
     if record.scope == SESSION_SCOPE:
-        _stop_the_session(config, f"{record.line_text()} ({record.worker})")
+        _stop_for_the_session_budget(config, record)
     elif not again:
         _count_the_failure(config)
 
@@ -315,6 +371,8 @@ def _size(path: str) -> int:
 
 
 ENDED = pytest.StashKey[EndedTests]()
+# Why the session stops for its budget, run out in a worker that was ended (controller).
+STOPPED = pytest.StashKey[str]()
 # The records that explained a crashed worker's test already (controller).
 EXPLAINED = pytest.StashKey[set[Any]]()
 
@@ -341,8 +399,15 @@ def configure_worker(config: pytest.Config) -> None:
         config.stash[ENDED] = EndedTests(records_beside(address))
 
 
+# tryfirst: before xdist's own, which hands the worker's collection to the controller.
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    lifecycle.stop_worker_after_the_budget(session)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
+    lifecycle.stop_worker_after_the_budget(item.session)
     ended = item.config.stash.get(ENDED, None)
     if ended is None or item.nodeid not in ended:
         return None
@@ -350,6 +415,17 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     if setupstate is not None:
         setupstate.teardown_exact(nextitem)
     return True
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """A replacement for a worker ended for the session's budget (see
+    :func:`_stop_if_down_for_the_session`) starts while the session stops: it fails at
+    once (pytest's collection stops at its first collector, Failed), before it imports
+    a test module, which would hang it as it hung the worker it replaces."""
+    workerinput: dict[str, Any] = getattr(session.config, "workerinput", {})
+    stopped = workerinput.get(STOPPED_KEY)
+    if stopped:
+        session.shouldfail = str(stopped)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

@@ -241,8 +241,9 @@ class TimerRequest:
     # A detached scope is not part of the thread's nesting (nor of scope paths): a
     # session-wide budget around everything, or a torch-style acquire/release.
     detached = False
-    # Turns the ScopeExpired about to be raised into another exception.
-    on_expire: Callable[[ScopeExpired], BaseException] | None = None
+    # Turns the ScopeExpired about to be raised into another exception (None: none is
+    # raised, where the owner has nothing to interrupt).
+    on_expire: Callable[[ScopeExpired], BaseException | None] | None = None
     at: tuple[str, int] | None = None  # (file, line) to report instead of the caller's
     path = ""
     _site_sid = 0
