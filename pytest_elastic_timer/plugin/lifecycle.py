@@ -388,13 +388,10 @@ def stop_worker_after_the_budget(session: pytest.Session) -> None:
     for a test) stops: Failed, with the reason the controller stops the session with,
     before it hands the controller its collection (which would differ from the other
     workers') or starts a test."""
+    if not session.shouldfail:  # every test asks: the common answer first
+        return
     state = session.config.stash.get(SESSION, None)
-    if (
-        state is not None
-        and is_worker(session.config)
-        and session.shouldfail
-        and session_budget_ran_out(state)
-    ):
+    if state is not None and is_worker(session.config) and session_budget_ran_out(state):
         raise session.Failed(session.shouldfail)
 
 
