@@ -27,7 +27,7 @@ from pathlib import Path
 import execnet
 import psutil
 import pytest
-from helpers import Session, failure_block, lead, run, scope_line
+from helpers import Session, failure_block, lead, run, scope_line, top_level_environment
 from standin_hosts import StandInHost, fake_ssh
 
 from pytest_elastic_timer.core import hostid
@@ -591,6 +591,44 @@ def test_ending_the_worker_that_started_a_hosts_watchdog_ends_no_session(
     assert session.report is not None and session.report["session"]["root_died"] is False
 
 
+def test_a_hosts_watchdog_lingering_for_a_replacement_holds_no_output_of_pytest(
+    pytester: pytest.Pytester, stand_in_hosts: Callable[..., list[StandInHost]]
+) -> None:
+    """The last worker of a host is ended and not replaced (--max-worker-restart=0):
+    the host's watchdog lingers for a replacement, but pytest's output, read through a
+    pipe as CI reads it, ends with pytest. The watchdog had the worker's stderr (the
+    controller's, or an ssh channel) and held the pipe open while it lingered."""
+    hosts = stand_in_hosts("host-a")
+    pytester.makepyfile(test_last=LAST_ON_THE_HOST)
+    args = [*XDIST, GRACE, *tx(hosts, 1), "--max-worker-restart=0"]
+    with top_level_environment():
+        controller = subprocess.Popen(
+            [sys.executable, "-m", "pytest", *args],
+            cwd=pytester.path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        assert controller.stdout is not None
+        output = controller.stdout.read().decode(errors="replace")  # until EOF
+        assert controller.wait(timeout=30) == pytest.ExitCode.TESTS_FAILED, output
+        lingering = [p for p in hosts[0].processes() if _is_watchdog(p)]
+        assert lingering, "the host's watchdog ended before the output did"
+    finally:
+        if controller.poll() is None:
+            controller.kill()
+            controller.wait()
+    assert wait_empty(hosts, timeout=30) == {}
+    assert not [d for host in hosts for d in host.session_dirs()]
+
+
+def _is_watchdog(proc: psutil.Process) -> bool:
+    try:
+        return "pytest_elastic_timer.watchdog" in proc.cmdline()
+    except psutil.Error:
+        return False
+
+
 # The first test kills its host's watchdog; the plugin notices before the next test.
 HOST_WATCHDOG_KILLED = """
 import os
@@ -713,3 +751,23 @@ def test_a_remote_records_children_are_named_with_their_host(
     (child,) = [c for c in record["children"] if c.get("stack")]
     block = failure_block(session, "test_with_a_child")
     assert f"elastic-timer: stack of pid {child['pid']}, host host-a at expiry" in block, block
+
+
+def test_a_host_directory_too_long_for_a_socket_is_said_so_and_left_to_nobody(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A host without a writable /dev/shm and with a long TMPDIR: joining says which
+    socket path is too long on which host, before starting anything, and leaves no
+    directory behind (the watchdog died with "AF_UNIX path too long" on stderr, and the
+    worker was told only that it did not start)."""
+    root = tmp_path / ("t" * 70)
+    root.mkdir()
+    monkeypatch.setattr(hostid, "session_root", lambda: str(root))
+    with pytest.raises(launcher.WatchdogError) as raised:
+        launcher.join_host(
+            "pytest-elastic-timer-token", grace=1, scale=1, worker="gw0", gateway_fds=[]
+        )
+    said = str(raised.value)
+    assert f"on host {hostid.current().hostname} would be '{root}" in said, said
+    assert "longer than a socket address may be (107 bytes)" in said
+    assert list(root.iterdir()) == []

@@ -107,6 +107,9 @@ def host_directory(token: str, identity: HostIdentity, root: str | None = None) 
     """The private directory of the session ``token``'s watchdog on ``identity``'s host.
 
     Every worker of the session on that host finds the same one, so they share one
-    watchdog; the host key keeps two hosts apart where the temp directory is shared."""
-    safe = "".join(c for c in token if c.isalnum() or c in "-_")[:64] or "session"
-    return os.path.join(root or session_root(), f"{HOST_DIR_PREFIX}{safe}-{identity.key()}")
+    watchdog; the host key keeps two hosts apart where the temp directory is shared.
+    Named by a digest of the two: the sockets inside must fit a socket address (107
+    bytes), which a long temp directory leaves little room for."""
+    text = f"{token}\0{identity.key()}"
+    digest = hashlib.sha256(text.encode("utf-8", "replace")).hexdigest()[:12]
+    return os.path.join(root or session_root(), f"{HOST_DIR_PREFIX}{digest}")

@@ -33,6 +33,8 @@ _waitid = unpatched.waitid
 _pidfd_open = unpatched.pidfd_open
 
 SOCKET_NAME = "watchdog.sock"  # in the session directory, as the watchdog names it
+HOST_WATCHDOG_ERRORS = "watchdog.err"  # a host watchdog's stderr, in its directory
+MAX_SOCKET_PATH = 107  # bytes of a socket's path: sun_path holds 108, with its NUL
 LISTEN_BACKLOG = 128
 # As Popen's restore_signals: Python ignores these, a new program should not.
 _DEFAULT_SIGNALS = [getattr(signal, n) for n in ("SIGPIPE", "SIGXFSZ") if hasattr(signal, n)]
@@ -327,6 +329,7 @@ def start(
     fifo = os.path.join(directory, startup.TORCH_TIMER_FIFO)
     fifo_fd = -1
     try:
+        _check_socket_path(address, "this host")
         os.mkfifo(fifo, 0o600)
         fifo_fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
         with unpatched.Socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as listener:
@@ -459,6 +462,17 @@ def _spawn(argv: list[str], env: dict[str, str], passed: list[int]) -> tuple[int
     return pid, write_end
 
 
+def _check_socket_path(address: str, where: str) -> None:
+    """WatchdogError naming ``address`` if it is too long for a socket's address (the
+    temp directory of ``where`` is): said as such, not as bind()'s error."""
+    if len(os.fsencode(address)) > MAX_SOCKET_PATH:
+        raise WatchdogError(
+            f"the watchdog's socket on {where} would be {address!r}, longer than a socket "
+            f"address may be ({MAX_SOCKET_PATH} bytes): set TMPDIR to a shorter directory "
+            "there (or make /dev/shm writable)"
+        )
+
+
 class HostWatchdog:
     """The watchdog of this host, which is not the controller's, joined by this worker."""
 
@@ -492,6 +506,7 @@ def join_host(
 
     identity = hostid.current()
     directory = hostid.host_directory(token, identity)
+    _check_socket_path(os.path.join(directory, SOCKET_NAME), f"host {identity.hostname}")
     sweep_stale(hostid.session_root())  # left by watchdogs of this host killed earlier
     try:
         os.mkdir(directory, 0o700)
@@ -507,9 +522,13 @@ def join_host(
             return HostWatchdog(directory, hostlink.Link(directory, worker, gateway_fds))
         except (OSError, wire.BadMessage):
             pass  # nobody started it yet (or it is ending): start one
-        _spawn_host_watchdog(
-            directory, identity.hostname, grace, scale, kill_after, dump_signal, timeout
-        )
+        try:
+            _spawn_host_watchdog(
+                directory, identity.hostname, grace, scale, kill_after, dump_signal, timeout
+            )
+        except WatchdogError:
+            shutil.rmtree(directory, ignore_errors=True)  # nothing of it is left here
+            raise
         return HostWatchdog(directory, hostlink.Link(directory, worker, gateway_fds))
     finally:
         os.close(lock)
@@ -592,6 +611,10 @@ def _spawn_host_watchdog(
     ]
     if dump_signal:
         argv += ["--dump-signal", str(dump_signal)]
+    # Its stderr goes to a file of its directory, not the worker's: that is the
+    # controller's stderr (or an ssh channel), which a watchdog lingering for a
+    # replacement worker would hold open after pytest exits.
+    errors = os.path.join(directory, HOST_WATCHDOG_ERRORS)
     read_end, write_end = os.pipe()
     try:
         pid = os.posix_spawn(
@@ -601,6 +624,7 @@ def _spawn_host_watchdog(
             file_actions=[
                 (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
                 (os.POSIX_SPAWN_DUP2, write_end, 1),
+                (os.POSIX_SPAWN_OPEN, 2, errors, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600),
             ],
             setsid=True,
         )
@@ -614,4 +638,16 @@ def _spawn_host_watchdog(
     if len(line) != 3 or line[0] != "ready":
         with contextlib.suppress(OSError):
             _kill(pid, signal.SIGKILL)
-        raise WatchdogError(f"the watchdog of this host did not start (it said {line!r})")
+        said = _last_line(errors) or f"it said {line!r}"
+        raise WatchdogError(f"the watchdog of host {hostname} did not start ({said})")
+
+
+def _last_line(path: str) -> str:
+    """The last line of the file ``path`` (a traceback's, the error), or ""."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 4096))
+            lines = f.read().decode(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""
