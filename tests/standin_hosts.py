@@ -98,7 +98,10 @@ class StandInHost:
         assert len(children) == 1, children
         self.init = children[0]
         self.namespace = namespace_of(self.init.pid)
+        # Two stand-in hosts may share a name (cloned VMs, same-named containers).
         self.wrapper = directory / f"python-on-{name}"
+        if self.wrapper.exists():
+            self.wrapper = directory / f"python-on-{name}-{self.init.pid}"
         self.wrapper.write_text(WRAPPER.format(pid=self.init.pid, python=sys.executable))
         self.wrapper.chmod(0o755)
 

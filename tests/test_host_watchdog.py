@@ -43,6 +43,7 @@ RECORD = records.ExpiryRecord(
     stack="Current thread ...",
     serial=1,
     host="node-b",
+    host_key="b0",
 )
 
 
@@ -130,13 +131,13 @@ def test_a_record_of_another_host_is_kept_only_when_the_controller_forwards_it(
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
         sock.connect(dog.address)
         assert ask(dog, sock, "forward", record=RECORD.to_json())[0] == "forwarded"
-        # Again, superseding: one record per (host, pid, serial).
+        # Again, superseding: one record per (host, host_key, pid, serial).
         assert ask(dog, sock, "forward", record=RECORD.to_json())[0] == "forwarded"
         home = {**RECORD.to_json(), "host": ""}
         assert ask(dog, sock, "forward", record=home)[0] == "refused"
         assert ask(dog, sock, "forward", record={**RECORD.to_json(), "pid": "5"})[0] == "refused"
-    assert [r.key for r in dog.records] == [("node-b", 5, 1)]
-    assert [r.key for r in records.read_records(dog.records_path)] == [("node-b", 5, 1)]
+    assert [r.key for r in dog.records] == [("node-b", "b0", 5, 1)]
+    assert [r.key for r in records.read_records(dog.records_path)] == [("node-b", "b0", 5, 1)]
     assert "gw3" in dog.workers
 
     # A process of the session that is not the controller's pytest is refused.
@@ -144,6 +145,18 @@ def test_a_record_of_another_host_is_kept_only_when_the_controller_forwards_it(
     assert from_another_process(dog, "forward", 10, record=record) == "refused"
     assert [r.pid for r in dog.records] == [5]
     assert dog.dropped == 3
+
+
+def test_records_of_two_hosts_of_the_same_name_are_both_kept(assembly: Assembly) -> None:
+    dog = assembly.dog
+    clone = {**RECORD.to_json(), "host_key": "b1", "worker": "gw4"}  # same name, pid, serial
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+        sock.connect(dog.address)
+        assert ask(dog, sock, "forward", record=RECORD.to_json())[0] == "forwarded"
+        assert ask(dog, sock, "forward", record=clone)[0] == "forwarded"
+        assert ask(dog, sock, "forward", record={**clone, "host_key": 1})[0] == "refused"
+    assert [r.worker for r in dog.records] == ["gw3", "gw4"]
+    assert [r.worker for r in records.read_records(dog.records_path)] == ["gw3", "gw4"]
 
 
 def test_the_controller_names_workers_of_other_hosts_and_nobody_else_does(

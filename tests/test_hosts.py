@@ -209,6 +209,38 @@ def test_kill_9_of_the_controller_leaves_nothing_running_on_any_host(
     assert not [d for host in hosts for d in host.session_dirs()]
 
 
+SLEEP = """
+import pytest, time
+
+
+@pytest.mark.expires(1)
+def test_sleep():
+    time.sleep(60)
+"""
+
+
+def test_two_hosts_of_the_same_name_keep_a_record_each(
+    pytester: pytest.Pytester, stand_in_hosts: Callable[..., list[StandInHost]]
+) -> None:
+    # Cloned VMs: the same host name, and the same pids, as a fresh pid namespace
+    # numbers its processes alike (both workers run the test as the same pid).
+    hosts = stand_in_hosts("node", "node")
+    pytester.makepyfile(test_sleep=SLEEP)
+    session = run(pytester, *XDIST, "--dist=each", GRACE, *tx(hosts, 1), lean=False, timeout=30)
+    session.assert_clean()
+    assert session.report is not None
+    found = sorted(session.report["expired"], key=lambda r: r["worker"])
+    assert [(r["scope"], r["worker"], r["host"]) for r in found] == [
+        ("test_sleep::call", "gw0", "node"),
+        ("test_sleep::call", "gw1", "node"),
+    ], found
+    assert found[0]["pid"] == found[1]["pid"] and found[0]["serial"] == found[1]["serial"]
+    assert found[0]["host_key"] != found[1]["host_key"]
+    summary = session.stdout.split("elastic-timer: expired scopes", 1)[-1]
+    for worker in ("gw0", "gw1"):
+        assert f"pid {found[0]['pid']}, worker {worker}, host node" in summary, summary
+
+
 # -- identity ------------------------------------------------------------------------
 IDENTITY = (
     "import json; from pytest_elastic_timer.core import hostid; "

@@ -16,6 +16,7 @@ from typing import Any
 from pytest_elastic_timer.core import atomic_file, stacks, unpatched
 
 REPORT_VERSION = 1
+RecordKey = tuple[str, str, int, int]  # ExpiryRecord.key
 ACTIONS = ("interrupted", "terminated", "killed")
 
 
@@ -41,6 +42,10 @@ class ExpiryRecord:
     ended: float = 0.0
     serial: int = 0
     host: str = ""  # where the owner ran; "" on the controller's host
+    # Which host that was (core/hostid.HostIdentity.key: host name, boot id, pid
+    # namespace); "" on the controller's host. Two hosts may share a name (cloned VMs,
+    # same-named containers) and then number their processes alike.
+    host_key: str = ""
     # The torch.distributed collective the ranks concerned block in (see
     # core/collectives.align); None when no rank is inside one.
     collective: dict[str, Any] | None = None
@@ -66,10 +71,11 @@ class ExpiryRecord:
         return ", ".join(parts)
 
     @property
-    def key(self) -> tuple[str, int, int]:
+    def key(self) -> RecordKey:
         """What names one scope in a session: a later record of it supersedes earlier
-        ones. Pids repeat across hosts, so the host is part of it."""
-        return (self.host, self.pid, self.serial)
+        ones. Pids repeat across hosts, even across hosts of the same name, so the
+        host's key is part of it."""
+        return (self.host, self.host_key, self.pid, self.serial)
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -121,13 +127,13 @@ def append_record(path: str, record: ExpiryRecord) -> None:
 
 def read_records(path: str) -> list[ExpiryRecord]:
     """Every complete record in ``path`` (a torn last line is skipped); a later record
-    of the same scope (host, pid, serial) supersedes an earlier one."""
+    of the same scope (``ExpiryRecord.key``) supersedes an earlier one."""
     try:
         with unpatched.open(path, encoding="utf-8") as f:
             lines = f.readlines()
     except FileNotFoundError:
         return []
-    found: dict[tuple[str, int, int], ExpiryRecord] = {}
+    found: dict[RecordKey, ExpiryRecord] = {}
     for text in lines:
         try:
             record = ExpiryRecord.from_json(unpatched.loads(text))

@@ -204,7 +204,7 @@ class RemoteWorker:
         self.config = config
         self.host = host
         self.size = -1
-        self.sent: dict[tuple[str, int, int], str] = {}
+        self.sent: dict[records.RecordKey, str] = {}
 
     def new_records(self, *, sync: bool) -> list[dict[str, Any]]:
         """Records of this host not forwarded by this worker yet: those of workers

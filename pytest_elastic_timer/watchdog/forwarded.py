@@ -66,6 +66,8 @@ class ForwardedRecords:
             wire.field(data, name, (int, float))
         for name in ("host", "nodeid", "scope", "worker", "action", "stack"):
             wire.field(data, name, str)
+        if not isinstance(data.get("host_key", ""), str):
+            raise wire.BadMessage("host_key is a string")
         record = records.ExpiryRecord.from_json(data)
         if not record.host or record.action not in records.ACTIONS:
             raise wire.BadMessage("not a record of another host")

@@ -32,8 +32,8 @@ class Recorder:
         # their own (what a rank was doing in a collective, say). An amender that
         # fails costs the record nothing.
         self.amenders: list[Amender] = []
-        # (pid, serial, action) of the records last printed because pytest was ended
-        self._printed: set[tuple[int, int, str]] = set()
+        # (key, action) of the records last printed because pytest was ended
+        self._printed: set[tuple[records.RecordKey, str]] = set()
 
     def expired(
         self,
@@ -112,7 +112,7 @@ class Recorder:
         """Print the records on stderr (pytest's terminal) when pytest was ended;
         again only if something changed (a new record, or "terminated" superseded
         by "killed")."""
-        shown = {(r.pid, r.serial, r.action) for r in self.records}
+        shown = {(r.key, r.action) for r in self.records}
         if shown <= self._printed:
             return
         self._printed = shown

@@ -21,10 +21,11 @@ plugged in by the wiring (:mod:`.wiring`):
   each ``fetch``), so that the record of the ended worker stays until the controller
   fetches it through a fresh gateway, or the replacement forwards it.
 
-Records are made here with ``host`` set to this host's name (an amender of the
-recorder), and reach the controller through the workers' test reports, their
-``workeroutput``, or a ``fetch``; the controller's watchdog takes them in with the
-intake of ``.forwarded``.
+Records are made here with ``host`` set to this host's name and ``host_key`` to its
+identity's key (an amender of the recorder): two hosts may share a name, and their
+records must not replace each other's. They reach the controller through the workers'
+test reports, their ``workeroutput``, or a ``fetch``; the controller's watchdog takes
+them in with the intake of ``.forwarded``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from typing import Any
 
 import psutil
 
-from pytest_elastic_timer.core import hostlink, records, wire
+from pytest_elastic_timer.core import hostid, hostlink, records, wire
 from pytest_elastic_timer.core import table as tbl
 from pytest_elastic_timer.watchdog import proctree
 from pytest_elastic_timer.watchdog.server import Watchdog
@@ -67,7 +68,9 @@ class HostRole:
     def __init__(self, dog: Watchdog, hostname: str, linger: float) -> None:
         self.dog = dog
         self.linger = linger
-        dog.recorder.amenders.append(functools.partial(_name_host, hostname))
+        # This watchdog runs on the host it serves: its identity is the workers'.
+        name_host = functools.partial(_name_host, hostname, hostid.current().key())
+        dog.recorder.amenders.append(name_host)
         self.conns: set[socket.socket] = set()  # open connections on join.sock
         self.gateways: dict[socket.socket, Gateway] = {}
         self.by_fd: dict[int, Gateway] = {}
@@ -270,8 +273,9 @@ class HostRole:
         self.listener.close()
 
 
-def _name_host(hostname: str, record: records.ExpiryRecord) -> None:
+def _name_host(hostname: str, host_key: str, record: records.ExpiryRecord) -> None:
     record.host = hostname
+    record.host_key = host_key
 
 
 def _close_all(fds: list[int]) -> None:
