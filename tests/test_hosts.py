@@ -475,6 +475,40 @@ def test_a_socket_gateway_takes_the_same_path(
             server.kill()
 
 
+def test_a_socket_worker_the_controllers_watchdog_refuses_is_warned_about_on_the_controller(
+    pytester: pytest.Pytester,
+) -> None:
+    # A socket server on the controller's own host, started outside the session: not
+    # one of its processes, so the controller's watchdog refuses its worker.
+    project = socket_project(pytester)
+    port = free_port()
+    # From a user's shell: nothing of this suite's own session in its environment.
+    shell = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_ELASTIC_TIMER")}
+    shell.pop("TORCHELASTIC_TIMER_FILE", None)
+    server = subprocess.Popen(
+        [sys.executable, str(SOCKET_SERVER), f"127.0.0.1:{port}"],
+        cwd=pytester.path,
+        env=shell,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        spec = execnet.XSpec(f"socket=127.0.0.1:{port}")
+        remote_hosts.wait_for_socket_server(spec, time.monotonic() + 30.0)
+        spec_text = f"socket=127.0.0.1:{port}//chdir={pytester.path / 'remote'}"
+        session = run_through_socket_server(pytester, spec_text, project)
+    finally:
+        server.kill()
+        server.wait()
+    session.assert_clean()
+    assert session.result.parseoutcomes().get("passed") == 7, session.stdout
+    # Enforced in-process all the same, and the controller says so, and what it lacks.
+    assert scope_line("test_sleep::call", "1").match(lead(session, "test_sleep"))
+    warning = " ".join(session.stdout.split("warnings summary", 1)[-1].split())
+    assert "the session's watchdog refused worker gw0" in warning, session.stdout
+    assert "not in the expired scopes' summary nor in the JSON report" in warning, warning
+
+
 def test_a_worker_ended_in_a_socket_server_started_again_in_a_loop_is_replaced(
     pytester: pytest.Pytester, stand_in_hosts: Callable[..., list[StandInHost]]
 ) -> None:

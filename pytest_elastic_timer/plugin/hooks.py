@@ -112,6 +112,7 @@ def pytest_configure(config: pytest.Config) -> None:
         # PYTEST_CURRENT_TEST inherited from an outer session (a pytest run by a test)
         # names a test of that session, not of this one.
         scopes.process_state().set_nodeid("")
+        xdist_support.warn_if_refused(config)
         return  # an xdist worker: the controller's watchdog serves it
     _register_ci_outputs(config, state)
     if lifecycle.starts_watchdog_at_once(config, state):

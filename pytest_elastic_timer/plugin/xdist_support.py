@@ -34,6 +34,7 @@ from pytest_elastic_timer.plugin.state import (
     record_text,
     records_beside,
     stack_text,
+    worker_id,
 )
 from pytest_elastic_timer.scope import client, scopes
 
@@ -397,6 +398,31 @@ def configure_worker(config: pytest.Config) -> None:
     os.environ["PYTHONPATH"] = startup.python_path(os.environ.get("PYTHONPATH"))
     if skips_ended:
         config.stash[ENDED] = EndedTests(records_beside(address))
+
+
+def warn_if_refused(config: pytest.Config) -> None:
+    """Say on the controller that the session's watchdog refused this worker.
+
+    A worker on the controller's host that is not a descendant of its pytest (run by an
+    execnet socket server started outside the session) is refused: it enforces its
+    scopes in-process. What the worker writes on its stderr goes to that server's
+    terminal, not the controller's; a warning reaches the controller's summary (xdist
+    forwards it). Called once the worker's connection is made, in configure: waiting
+    for the watchdog's answer costs one round trip, and a worker that was refused
+    learns it here rather than by the lack of a report later."""
+    process = scopes.process_state()
+    process.welcome()
+    if not process.refused:
+        return
+    # Its children would be refused too, each with a word on that server's stderr.
+    os.environ.pop(client.ENV_ADDRESS, None)
+    lifecycle.warn_without_watchdog(
+        config,
+        f"the session's watchdog refused worker {worker_id(config)} ({process.refused}); "
+        "its scopes are enforced in-process only (no stack dumps, no termination of hung "
+        "processes), and their expiries are not in the expired scopes' summary nor in the "
+        "JSON report",
+    )
 
 
 # tryfirst: before xdist's own, which hands the worker's collection to the controller.
