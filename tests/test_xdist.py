@@ -379,6 +379,63 @@ def test_under_dist_each_each_runs_report_names_its_own_helpers_expiry(
     assert sorted(labels) == ["helper of gw0", "helper of gw1"]
 
 
+EACH_IN_ITS_ORDER = """
+import os
+import time
+
+import pytest
+
+WORKER = os.environ["PYTEST_XDIST_WORKER"]
+
+
+@pytest.fixture
+def staggered():
+    # gw0's setup ends first and its failure comes last: pytest writes gw0's testcase
+    # first, and the failures come in the other order.
+    time.sleep(0.3 if WORKER == "gw0" else 0.8)
+
+
+@pytest.mark.expires(1.5)
+def test_both_expire(staggered):
+    if WORKER == "gw0":
+        sum(range(3 * 10**9))  # in C: ended after the grace
+    time.sleep(10)  # interrupted
+
+
+@pytest.mark.expires(1)
+def test_one_expires():
+    assert WORKER == "gw1", "a plain failure"  # on gw0's replacement
+    time.sleep(10)
+"""
+
+
+def test_under_dist_each_each_junit_testcase_gets_its_own_runs_expiry(
+    pytester: pytest.Pytester,
+) -> None:
+    """pytest writes a testcase per run in the order of the runs' first reports; the
+    expiries are matched to them in that order, not in the order the failures came
+    (gw0's testcase got gw1's record), and a run that failed by itself keeps its own
+    failure (it got the other run's ScopeExpired)."""
+    pytester.makepyfile(test_each=EACH_IN_ITS_ORDER)
+    session = run_xdist(pytester, "--dist=each", "--elastic-timer-grace=1", "--junitxml=j.xml")
+    session.assert_clean()
+    session.result.assert_outcomes(failed=4)
+    cases = junit_cases(pytester.path / "j.xml")
+    actions = []
+    for case in cases["test_each::test_both_expire"]:
+        (failure,) = case.iter("failure")
+        props = {p.get("name"): p.get("value") for p in case.iter("property")}
+        ended = "crashed" in (failure.text or "") or "terminated" in (failure.text or "")
+        assert (props["elastic_timer_action"] != "interrupted") == ended, (props, failure.text)
+        assert str(failure.get("message")).endswith(props["elastic_timer_action"])
+        actions.append(props["elastic_timer_action"] == "interrupted")
+    assert sorted(actions) == [False, True]
+    types = sorted(
+        str(f.get("type")) for c in cases["test_each::test_one_expires"] for f in c.iter("failure")
+    )
+    assert len(types) == 2 and types.count("pytest_elastic_timer.ScopeExpired") == 1, types
+
+
 # The expired test's unit has one test left after it, and the ended worker had one more
 # unit queued; the other worker is done and shut down by then. The replacement is handed
 # a one-test unit, and an xdist worker holds its last test until it is sent a next one
@@ -725,10 +782,12 @@ def test_a_worker_waiting_for_tests_lets_the_one_stuck_in_collection_stop_the_se
     assert session.report is not None
     expired = session.report["expired"]
     assert [r["phase"] for r in expired if r["worker"] == "gw1"] == ["collection"], expired
-    # gw0 had collected: its own expiry (if it came first) says so, and ended nothing.
+    # gw0 had collected, and waited for a test: not said to be interrupted there (it
+    # was not), nor ended. (Its budget may run out later, as the session ends.)
     for record in expired:
         if record["worker"] == "gw0":
-            assert (record["phase"], record["action"]) == ("between tests", "interrupted")
+            assert record["phase"] != "between tests", record
+            assert record["action"] == "interrupted", record
     # Only the worker that had to be ended is replaced (its replacement runs nothing).
     assert ("replacing crashed worker" in session.text) == (action == "terminated")
     assert session.seconds < 3 + 0.5 + 5 + 8, session.text

@@ -16,6 +16,7 @@ import collections
 import os
 import sys
 import xml.etree.ElementTree as ET
+from typing import Any
 
 import pytest
 
@@ -24,10 +25,47 @@ from pytest_elastic_timer.ci.junit_fallback import FAILURE_TYPE
 from pytest_elastic_timer.core import atomic_file
 from pytest_elastic_timer.core.records import ExpiryRecord
 
-# The expired scopes of each test, by node id, then by the worker that ran it ("" but
-# under xdist), in the order the runs' failed reports came: under ``--dist each`` every
-# worker runs the test, and pytest writes a testcase for each run.
-EXPIRED = pytest.StashKey[dict[str, dict[str, list[ExpiryRecord]]]]()
+
+class Testcases:
+    """The testcases pytest's junitxml writes for each test, in its order, each with
+    the expired scopes of its run (filled by the expired hook).
+
+    pytest's rule, followed here: a testcase per run of a test by a worker (the
+    report's ``node``; None without xdist), opened by the run's first report and
+    closed by its teardown's, and one more for a teardown error after a failed call.
+    Under ``--dist each`` every worker runs the test: its testcases are told apart
+    only by this order."""
+
+    def __init__(self) -> None:
+        self.of_test: dict[str, list[list[ExpiryRecord]]] = {}
+        self._open: dict[tuple[str, Any], list[ExpiryRecord]] = {}
+        self._failed_call: set[tuple[str, Any]] = set()
+
+    def current(self, report: pytest.TestReport) -> list[ExpiryRecord]:
+        """The expired scopes of the testcase that ``report`` goes to (the expired
+        hook asks before this plugin hears of the report)."""
+        key = (report.nodeid, getattr(report, "node", None))
+        if report.when == "teardown" and report.failed and key in self._failed_call:
+            self._failed_call.discard(key)  # the teardown's error: a testcase of its own
+            self._open.pop(key, None)
+        run = self._open.get(key)
+        if run is None:
+            run = self._open[key] = []
+            self.of_test.setdefault(report.nodeid, []).append(run)
+        return run
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        """``report`` went to its testcase; a teardown's closes it."""
+        self.current(report)
+        key = (report.nodeid, getattr(report, "node", None))
+        if report.when == "call" and report.failed:
+            self._failed_call.add(key)
+        elif report.when == "teardown":
+            self._open.pop(key, None)
+            self._failed_call.discard(key)
+
+
+TESTCASES = pytest.StashKey[Testcases]()
 
 
 def _junit_names(nodeid: str, prefix: str | None) -> tuple[str, str]:
@@ -42,33 +80,30 @@ def _junit_names(nodeid: str, prefix: str | None) -> tuple[str, str]:
 
 
 def fix_junit(
-    path: str, expired: dict[str, dict[str, list[ExpiryRecord]]], prefix: str | None = None
+    path: str, expired: dict[str, list[list[ExpiryRecord]]], prefix: str | None = None
 ) -> int:
     """Give the testcases of ``expired`` tests in pytest's JUnit file at ``path`` the
     ScopeExpired failure type, the scope line and the scope's properties. Returns how
     many testcases were changed.
 
-    A test run by several workers (``--dist each``) has a testcase per run, in the
-    order of their reports: when as many of its testcases failed as runs expired
-    scopes, each gets its own run's; otherwise each gets them all."""
+    ``expired`` holds, by node id, the expired scopes of each of the test's testcases
+    in the file's order (:class:`Testcases`): a test run by several workers has one
+    for each run."""
     tree = ET.parse(path)
-    wanted = {_junit_names(nodeid, prefix): list(runs.values()) for nodeid, runs in expired.items()}
-    failed = collections.Counter(
-        (case.get("classname", ""), case.get("name", ""))
-        for case in tree.iter("testcase")
-        if any(c.tag in ("failure", "error") for c in case)
-    )
+    wanted = {_junit_names(nodeid, prefix): runs for nodeid, runs in expired.items()}
     seen: collections.Counter[tuple[str, str]] = collections.Counter()
     changed = 0
     for case in tree.iter("testcase"):
         key = (case.get("classname", ""), case.get("name", ""))
         runs = wanted.get(key)
-        problems = [c for c in case if c.tag in ("failure", "error")]
-        if not runs or not problems:
+        if runs is None:
             continue
-        one_each = len(runs) == failed[key]
-        found = runs[seen[key]] if one_each else [r for run in runs for r in run]
+        index = seen[key]
         seen[key] += 1
+        found = runs[index] if index < len(runs) else []
+        problems = [c for c in case if c.tag in ("failure", "error")]
+        if not found or not problems:
+            continue
         changed += 1
         first = found[0]
         line = first.line_text()
@@ -109,20 +144,24 @@ def junit_path(config: pytest.Config) -> str | None:
 def pytest_elastic_timer_expired(
     config: pytest.Config, report: pytest.TestReport, records: list[ExpiryRecord]
 ) -> None:
-    runs = config.stash.setdefault(EXPIRED, {}).setdefault(report.nodeid, {})
-    # A crashed worker's report, which xdist makes, has no worker_id: its record names it.
-    worker = getattr(report, "worker_id", "") or (records[0].worker if records else "")
-    known = runs.setdefault(str(worker), [])
+    known = config.stash.setdefault(TESTCASES, Testcases()).current(report)
     seen = {(k.host, k.pid, k.scope) for k in known}
     known.extend(r for r in records if (r.host, r.pid, r.scope) not in seen)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Every report is seen, in pytest's order, by an object of this session's own.
+    testcases = config.stash.setdefault(TESTCASES, Testcases())
+    config.pluginmanager.register(testcases, f"{__name__}.testcases")
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's junitxml wrote the file
 def pytest_sessionfinish(session: pytest.Session) -> None:
     config = session.config
     path = junit_path(config)
-    expired = config.stash.get(EXPIRED, None)
-    if path and expired and os.path.exists(path):
+    testcases = config.stash.get(TESTCASES, None)
+    expired = testcases.of_test if testcases is not None else {}
+    if path and any(r for runs in expired.values() for r in runs) and os.path.exists(path):
         try:
             fix_junit(path, expired, config.getoption("junitprefix", None))
         except (OSError, ET.ParseError) as exc:

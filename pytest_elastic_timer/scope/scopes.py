@@ -750,6 +750,7 @@ def _user_stacklevel() -> int:
 
 def close_above(stack: ScopeStack, depth: int, ending: str) -> None:
     """Close the scopes of ``stack`` from ``depth`` up, which ``ending`` outlived."""
+    __tracebackhide__ = True  # a warning made an error: the user's, not ours
     _warn_abandoned(_abandon_above(stack, depth), ending)
 
 
@@ -926,8 +927,12 @@ def _deliver_due(state: client.ProcessState, frame: FrameType | None) -> None:
                 _tell_expired(told, scope, now, delivery.task_stacks([scope._task]))
                 break
             if exc is None:
-                exc = _report(scope, now, "interrupted", where)
+                exc = _expired(scope, now, "interrupted")
                 raise_here = scope.on_expire(exc) if scope.on_expire else exc
+                # None: the owner had nothing to interrupt (an xdist worker waiting for
+                # its next test, past the session's budget), and is not said to be.
+                if raise_here is not None:
+                    _told(scope, now, where, exc, task=None)
             else:
                 delivery.raise_in_thread(tid, exc)
                 reports.append(functools.partial(_after_raised, scope, now, where, exc))
