@@ -717,3 +717,18 @@ def test_an_interrupt_anywhere_below_the_package_bookkeeping_waits() -> None:
     bookkeeping()
     deep(8)
     assert seen == [True, False]
+
+
+def test_the_torch_client_acquiring_a_timer_again_after_its_expiry_starts_a_new_one() -> None:
+    """torch's rule, one timer per scope_id, replaced by each acquire: once the first
+    one's expiry was caught, acquiring it again enforces the new deadline. The expired
+    scope was moved instead, and, already delivered, never expired again."""
+    client = et.TimerClient()
+    client.acquire("step", time.time() + 0.2)
+    with pytest.raises(et.ScopeExpired):
+        _sleep_until_expired()
+    client.acquire("step", time.time() + 0.2)
+    with pytest.raises(et.ScopeExpired):
+        _sleep_until_expired()
+    client.release("step")
+    assert et.current_scope() is None or et.current_scope().scope != "step"

@@ -76,10 +76,16 @@ class TimerClient:
         with self._lock:
             scope = self._open.get(key)
         if scope is not None and scope.active:
-            # torch replaces the timer of an open scope_id: its deadline moves, and
-            # the scope stays where it was entered (its site, thread and nesting).
-            scope.reschedule(after)
-            return
+            if not scope.expired():
+                # torch replaces the timer of an open scope_id: its deadline moves, and
+                # the scope stays where it was entered (its site, thread and nesting).
+                scope.reschedule(after)
+                return
+            # Its expiry came, and was caught: that timer is over, a new one starts.
+            # (Still undelivered, the overrun raises here, as its release would.)
+            with self._lock:
+                self._open.pop(key, None)
+            scope.release()
         scope = TimerRequest(after, str(scope_id))
         scope.at = _caller(sys._getframe(1))
         scope.acquire()
