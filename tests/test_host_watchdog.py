@@ -159,6 +159,21 @@ def test_records_of_two_hosts_of_the_same_name_are_both_kept(assembly: Assembly)
     assert [r.worker for r in records.read_records(dog.records_path)] == ["gw3", "gw4"]
 
 
+@pytest.mark.parametrize("action", records.ACTIONS)
+def test_a_record_of_another_host_is_forwarded_whatever_its_action(
+    assembly: Assembly, action: str
+) -> None:
+    """Every action a host's watchdog records reaches the controller's report: a torch
+    file-timer request left running ('reported') was refused as no record."""
+    dog = assembly.dog
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+        sock.connect(dog.address)
+        sent = {**RECORD.to_json(), "action": action}
+        assert ask(dog, sock, "forward", record=sent)[0] == "forwarded"
+        assert ask(dog, sock, "forward", record={**sent, "action": "x"})[0] == "refused"
+    assert [r.action for r in dog.records] == [action]
+
+
 def test_the_controller_names_workers_of_other_hosts_and_nobody_else_does(
     assembly: Assembly,
 ) -> None:

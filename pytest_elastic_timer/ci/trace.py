@@ -74,8 +74,8 @@ def read_unfinished(directory: str, records: Iterable[ExpiryRecord]) -> list[dic
     known from nowhere else."""
     ended: dict[int, list[ExpiryRecord]] = {}
     for record in records:
-        if record.action != "interrupted" and not record.host:  # another host's tables
-            ended.setdefault(record.pid, []).append(record)  # are on that host
+        if record.action in ("terminated", "killed") and not record.host:  # another
+            ended.setdefault(record.pid, []).append(record)  # host's tables are there
     events: list[dict[str, Any]] = []
     for path in sorted(glob.glob(os.path.join(directory, TABLE_GLOB))):
         its_records = ended.get(tbl.pid_of_file(os.path.basename(path)))

@@ -17,7 +17,9 @@ from pytest_elastic_timer.core import atomic_file, stacks, unpatched
 
 REPORT_VERSION = 1
 RecordKey = tuple[str, str, int, int]  # ExpiryRecord.key
-ACTIONS = ("interrupted", "terminated", "killed")
+# What ended a scope; "reported": nothing did, a torch file-timer request whose signal
+# was 0 or below, whose process is left running (as torch does).
+ACTIONS = ("interrupted", "terminated", "killed", "reported")
 
 
 @dataclass
