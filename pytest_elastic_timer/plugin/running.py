@@ -20,7 +20,7 @@ import pytest
 from pytest_elastic_timer.core import unpatched
 from pytest_elastic_timer.plugin import leaks
 from pytest_elastic_timer.plugin.budgets import Budgets
-from pytest_elastic_timer.plugin.lifecycle import watchdog_lost
+from pytest_elastic_timer.plugin.lifecycle import BETWEEN_TESTS, watchdog_lost
 from pytest_elastic_timer.plugin.state import SESSION, SessionState, session_directory
 from pytest_elastic_timer.scope import scopes
 from pytest_elastic_timer.scope.scopes import TimerRequest
@@ -138,6 +138,7 @@ class RunningTest:
         """The phase ``when`` begins (once): the phase before it is traced, the table
         names the new one, and scopes the phase before left open are closed.
         ``named``: no scope of its own names the phase, the stack's prefix does."""
+        __tracebackhide__ = True  # a warning made an error: the user's, not ours
         ending = self.stack.prefix
         self.stack.prefix = f"{self.name}::{when}" if named else self.outer_prefix
         if self.when != when:
@@ -151,6 +152,7 @@ class RunningTest:
 
     def finish(self) -> None:
         """After the test's teardown: its scopes are over, its leftover processes found."""
+        __tracebackhide__ = True  # a warning made an error: the user's, not ours
         ending = self.stack.prefix
         if self.tracing:
             self._trace_phase(ending)
@@ -171,7 +173,7 @@ class RunningTest:
         # share the process's scope state (a test that runs items itself).
         outer = _running[-1] if _running else None
         if outer is None or outer.process is not self.process:
-            self.process.restore_test("", self.outer_sid, "between tests")
+            self.process.restore_test("", self.outer_sid, BETWEEN_TESTS)
         else:
             self.process.restore_test(outer.nodeid, self.outer_sid, outer.when)
         before = self.children

@@ -110,6 +110,7 @@ def wait_for_record(
     explained = config.stash.setdefault(EXPLAINED, set())
 
     def pick(found: list[records.ExpiryRecord], settled: bool) -> records.ExpiryRecord | None:
+        """The record that explains the crash, of the worker's records so far."""
         return _explaining(found, nodeid, explained, settled=settled)
 
     record = _wait_for(records_path, worker, patience, pick)
@@ -187,6 +188,7 @@ def _stop_if_down_for_the_session(node: Any, records_path: str, state: SessionSt
     worker = str(getattr(getattr(node, "gateway", None), "id", ""))
 
     def pick(found: list[records.ExpiryRecord], settled: bool) -> records.ExpiryRecord | None:
+        """The worker's latest record of the session's own scope, if any."""
         ours = [r for r in found if r.scope == SESSION_SCOPE]
         return ours[-1] if ours else None
 
@@ -428,6 +430,8 @@ def warn_if_refused(config: pytest.Config) -> None:
 # tryfirst: before xdist's own, which hands the worker's collection to the controller.
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_finish(session: pytest.Session) -> None:
+    """A worker whose session budget ran out in collection stops before it hands the
+    controller its collection."""
     lifecycle.stop_worker_after_the_budget(session)
 
 
