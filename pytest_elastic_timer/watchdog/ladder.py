@@ -146,8 +146,9 @@ class Ladder:
 
     def _terminate(self, owner: Owner, expiry: Expiry, stack: str) -> Generator[float, None, None]:
         # Only the watchdog writes an adopted owner's table: its slots' flags say how a
-        # torch request asked its process to end. A registered owner's never count.
-        signum = tbl.end_signal(expiry.flags) if owner.conn is None else 0
+        # torch request asked its process to end. A registered owner's never count (nor
+        # when its connection closed: its table is still its own).
+        signum = tbl.end_signal(expiry.flags) if owner.adopted else 0
         if signum is None:
             self.record(owner, expiry, "reported", stack, [])
             return

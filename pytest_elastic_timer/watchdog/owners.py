@@ -72,7 +72,7 @@ class Owner:
     ident: proctree.ProcessId
     proc: psutil.Process
     table: tbl.ScopeTable
-    conn: socket.socket | None  # None for an adopted process
+    conn: socket.socket | None  # None for an adopted process (or a closed connection)
     dump_path: str
     expiries: dict[int, Expiry] = field(default_factory=dict)  # serial -> escalation
     finished: set[int] = field(default_factory=set)  # serials whose escalation ended
@@ -91,6 +91,9 @@ class Owner:
     # child given an environment of its own).
     started_in: str = ""
     started_on: str = ""
+    # Whether the watchdog keeps this owner's table itself (a torch file-timer
+    # client's): only then do its slots' flags say how an expiry ends the process.
+    adopted: bool = False
 
     def interruptible(self) -> bool:
         """Whether the owner can be given its interrupt (a signal, or its channel)."""
@@ -293,6 +296,7 @@ class Owners(Mapping[int, Owner]):
             return None
         table = tbl.ScopeTable.create(None)
         owner = Owner(ident, proc, table, None, startup.dump_path(self.directory, pid))
+        owner.adopted = True
         self.note_starter(owner)
         registered = self.registered.get(pid)
         if registered is not None and registered.ident == ident:
