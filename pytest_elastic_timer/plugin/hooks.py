@@ -53,9 +53,6 @@ CI_JUNIT = "pytest_elastic_timer.ci.junit"
 CI_GITHUB = "pytest_elastic_timer.ci.github"
 CI_TRACE = "pytest_elastic_timer.ci.trace"
 XDIST_HOOKS = "elastic_timer_xdist"
-# xdist's limit of worker restarts when --max-worker-restart is not given, per worker
-# (so that workers crashing at collection are not restarted endlessly, xdist #226).
-XDIST_RESTARTS_PER_WORKER = 4
 
 
 # -- start-up ------------------------------------------------------------------------
@@ -333,32 +330,23 @@ def _restart_limit_line(
     if is_worker(config) or not uses_xdist(config):
         return
     ended = sorted({r.worker for r in found if r.worker and r.action in ("terminated", "killed")})
-    limit, default = _worker_restart_limit(config)
-    if not ended or limit is None:
+    if not ended:
         return
-    if len(ended) > limit:
+    # xdist's own rule, which this line must agree with: the option, else its default.
+    from xdist.dsession import get_default_max_worker_restart  # type: ignore[import-untyped]
+
+    limit: int | None = get_default_max_worker_restart(config)
+    if limit is not None and len(ended) > limit:
         why = f"--max-worker-restart={limit}"
-        if default:
-            why += f" (xdist's default: {XDIST_RESTARTS_PER_WORKER} per worker)"
+        workers = getattr(config.option, "numprocesses", None)
+        if getattr(config.option, "maxworkerrestart", None) is None and workers:
+            why += f" (xdist's default: {limit // workers} per worker)"
         terminalreporter.write_line(
             f"elastic-timer: the watchdog ended {len(ended)} worker(s) ({', '.join(ended)}) "
             f"for expired scopes; {why} stopped the session early",
             red=True,
             bold=True,
         )
-
-
-def _worker_restart_limit(config: pytest.Config) -> tuple[int | None, bool]:
-    """xdist's limit of worker restarts (None: none) and whether it is xdist's default,
-    by xdist's own rule (``get_default_max_worker_restart``): the option if given, else
-    4 per worker (``-n``, which xdist has made a number by now)."""
-    given = getattr(config.option, "maxworkerrestart", None)
-    if given is not None:
-        return int(given), False
-    workers = getattr(config.option, "numprocesses", None)
-    if isinstance(workers, int) and workers:
-        return workers * XDIST_RESTARTS_PER_WORKER, True
-    return None, False
 
 
 @pytest.hookimpl(trylast=True)

@@ -323,8 +323,7 @@ def _end_session(state: SessionState, exc: ScopeExpired) -> BaseException | None
     # This session's own worker id: a pytest run by a worker's test inherits the
     # worker's PYTEST_XDIST_WORKER, and is no worker.
     worker = worker_id(session.config) if session is not None else ""
-    where = ", ".join(x for x in (f"phase {phase}" if phase else "", worker) if x)
-    reason = f"{exc.line()} ({where})" if where else exc.line()
+    reason = session_stop_reason(exc.line(), phase, worker)
     if worker:
         return _end_worker_session(state, exc, reason, phase)
     if session is not None:
@@ -334,6 +333,14 @@ def _end_session(state: SessionState, exc: ScopeExpired) -> BaseException | None
     # Not a ScopeExpired, even in a test: code may catch that (it is a TimeoutError),
     # and it may land in the reporting hooks after a phase, outside pytest's catch.
     return pytest.exit.Exception(reason)
+
+
+def session_stop_reason(line: str, phase: str, worker: str) -> str:
+    """Why the session stops for its budget: the scope line, then where it ran out
+    (``... expired after 3.00s (budget 3s): interrupted (phase collection, gw1)``), as
+    a worker says it and as the controller says it for a worker it had to see ended."""
+    where = ", ".join(x for x in (f"phase {phase}" if phase else "", worker) if x)
+    return f"{line} ({where})" if where else line
 
 
 def _end_worker_session(

@@ -201,10 +201,7 @@ def _stop_for_the_session_budget(config: pytest.Config, record: records.ExpiryRe
     """Stop the session for the session's budget, run out in a worker that had to be
     ended: with its scope line, phase and worker, as the worker itself says it when it
     fails where it is."""
-    where = ", ".join(
-        x for x in (f"phase {record.phase}" if record.phase else "", record.worker) if x
-    )
-    reason = f"{record.line_text()} ({where})"
+    reason = lifecycle.session_stop_reason(record.line_text(), record.phase, record.worker)
     config.stash.setdefault(STOPPED, reason)
     _stop_the_session(config, reason)
 
