@@ -843,6 +843,60 @@ def test_a_replacement_for_a_worker_ended_in_collection_collects_nothing(
     assert_all_gone(session, {r["pid"] for r in session.report["expired"]})
 
 
+# -- the session's budget running out in a worker's sessionstart or sessionfinish -------
+WORKER_SESSION_HOOK_HANGS = """
+import os
+import time
+
+
+def pytest_{hook}(session):
+    if os.environ.get("PYTEST_XDIST_WORKER") == "gw1":
+        {hang}
+"""
+TWO_TESTS = "def test_a():\n    pass\n\n\ndef test_b():\n    pass\n"
+
+
+@pytest.mark.parametrize("hook", ["sessionstart", "sessionfinish"])
+@pytest.mark.parametrize(
+    "hang", ["time.sleep(60)", "sum(range(10**11))"], ids=["interruptible", "gil"]
+)
+def test_a_worker_stuck_in_a_session_hook_stops_the_session_with_its_scope_line(
+    pytester: pytest.Pytester, hook: str, hang: str
+) -> None:
+    """A conftest's pytest_sessionstart (or pytest_sessionfinish, after the tests ran)
+    hangs in gw1 past --expires-session. Interrupted, the session stops with gw1's
+    scope line and phase, as for collection: no internal error (in sessionstart, the
+    ScopeExpired ended the worker's session as an internal error of xdist), and no
+    test runs (or they keep their outcomes); exit status 2 (it was 0 after
+    sessionfinish). Out of a C call, gw1 is ended; its replacement runs the conftest's
+    hook again, and may hang in it too before the session ends: the controller's own
+    budget bounds that."""
+    pytester.makeconftest(WORKER_SESSION_HOOK_HANGS.format(hook=hook, hang=hang))
+    pytester.makepyfile(test_s=TWO_TESTS)
+    session = run_xdist(pytester, GRACE, "--expires-session=3")
+    session.assert_clean()
+    assert session.result.ret == pytest.ExitCode.INTERRUPTED, session.text
+    assert "INTERNALERROR" not in session.text and "Traceback" not in session.text
+    if hook == "sessionstart":
+        session.result.assert_outcomes()
+    else:
+        session.result.assert_outcomes(passed=2)
+    assert session.report is not None
+    ended = [r for r in session.report["expired"] if r["worker"] == "gw1"]
+    assert ended and ended[0]["phase"] == hook, ended
+    if hang.startswith("time"):
+        assert re.search(
+            r"Interrupted: scope 'session' expired after [\d.]+s \(budget 3s\): "
+            rf"interrupted \(phase {hook}, gw1\)",
+            session.text,
+        ), session.text
+        assert session.seconds < 3 + 0.5 + 5 + 8, session.text
+    else:
+        assert re.fullmatch(HARD, ended[0]["action"]), ended
+        assert session.seconds < 3 + 2 * 0.5 + 5 + 5 + 8, session.text
+    assert_all_gone(session, {r["pid"] for r in session.report["expired"]})
+
+
 @pytest.mark.parametrize("stop", [["-x"], ["--maxfail=1"]], ids=["x", "maxfail"])
 def test_a_test_whose_worker_was_ended_counts_for_maxfail(
     pytester: pytest.Pytester, stop: list[str]
@@ -946,6 +1000,37 @@ def test_the_session_expiring_in_a_session_fixtures_teardown_is_listed(
     assert record["scope"] == "session" and record["nodeid"] == "test_a.py::test_a"
     assert "caught on purpose" not in session.stdout
     assert any(line.startswith("scope 'session' expired after") for line in session.lines)
+
+
+def test_the_session_expiring_in_a_conftest_sessionfinish_ends_with_its_summary(
+    pytester: pytest.Pytester,
+) -> None:
+    """Without xdist: the session's budget runs out in a conftest's pytest_sessionfinish
+    after the tests passed. The hook is interrupted; the summary is still written
+    (the exception skipped it), with the scope's line and phase, and the exit status is
+    2, as when the budget stops the session during the tests (it was 0)."""
+    pytester.makeconftest(
+        WORKER_SESSION_HOOK_HANGS.replace(' == "gw1"', " is None").format(
+            hook="sessionfinish", hang="time.sleep(60)"
+        )
+    )
+    pytester.makepyfile(test_s=TWO_TESTS)
+    session = run(pytester, "--expires-session=1.5")
+    session.assert_clean()
+    assert session.result.ret == pytest.ExitCode.INTERRUPTED, session.text
+    session.result.assert_outcomes(passed=2)
+    assert re.search(
+        r"^Interrupted: scope 'session' expired after [\d.]+s \(budget 1.5s\): "
+        r"interrupted \(phase sessionfinish\)$",
+        session.stdout,
+        re.MULTILINE,
+    ), session.text
+    assert "  phase:   sessionfinish" in session.lines
+    assert session.report is not None
+    (record,) = session.report["expired"]
+    assert (record["scope"], record["phase"]) == ("session", "sessionfinish")
+    assert session.report["session"]["exitstatus"] == 2
+    assert session.seconds < 1.5 + 8, session.text
 
 
 # -- processes a test started, under xdist: their records in the failure text --------

@@ -53,6 +53,8 @@ CI_JUNIT = "pytest_elastic_timer.ci.junit"
 CI_GITHUB = "pytest_elastic_timer.ci.github"
 CI_TRACE = "pytest_elastic_timer.ci.trace"
 XDIST_HOOKS = "elastic_timer_xdist"
+# The wrappers around other plugins' session hooks, under the session's budget.
+SESSION_HOOKS_BUDGET = "elastic_timer_session_hooks_budget"
 
 
 # -- start-up ------------------------------------------------------------------------
@@ -96,6 +98,8 @@ def pytest_configure(config: pytest.Config) -> None:
         state.put_back_naming = scopes.name_afresh()  # run by a test: as a session of its own
     state.leak_watch = leaks.Watch()
     state.used = any_given(config)
+    if settings.session:
+        config.pluginmanager.register(lifecycle.SessionHooksBudget(state), SESSION_HOOKS_BUDGET)
     # Orphans are adopted from the end of collection on (where the watchdog's shell has
     # been reaped: the watchdog it leaves is not adopted, nor left to be reaped), before
     # any test runs; under auto, from the first test that uses the plugin.

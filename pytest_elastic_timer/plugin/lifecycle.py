@@ -8,7 +8,7 @@ import contextlib
 import os
 import sys
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -323,7 +323,7 @@ def _end_session(state: SessionState, exc: ScopeExpired) -> BaseException | None
     # This session's own worker id: a pytest run by a worker's test inherits the
     # worker's PYTEST_XDIST_WORKER, and is no worker.
     worker = worker_id(session.config) if session is not None else ""
-    reason = session_stop_reason(exc.line(), phase, worker)
+    reason = state.stop_reason = session_stop_reason(exc.line(), phase, worker)
     if worker:
         return _end_worker_session(state, exc, reason, phase)
     if session is not None:
@@ -370,6 +370,61 @@ def _end_worker_session(
     return exc
 
 
+class SessionHooksBudget:
+    """The session's budget running out in another plugin's ``pytest_sessionstart`` or
+    ``pytest_sessionfinish`` (a conftest hook that starts or tears down a cluster,
+    say): registered where the session has a budget, its wrappers are the innermost,
+    around every such hook, and catch the exception that ended the hook.
+
+    In an xdist worker's sessionstart, the ScopeExpired would end the worker's session
+    as an internal error (of xdist's too): the worker goes on to its collection
+    instead, which stops at once (:func:`collection_of_worker`) with the reason the
+    controller stops the session with. In sessionfinish, after the tests ran, the
+    exception would skip the summary and leave the exit status as the tests made it:
+    the summary is written, the exit status is 2 (as when the budget stops the
+    session during the tests), and a worker hands the reason to the controller
+    (:data:`STOPPED_IN_SESSIONFINISH`), which stops the session with it."""
+
+    def __init__(self, state: SessionState) -> None:
+        self.state = state
+
+    @pytest.hookimpl(wrapper=True, trylast=True)
+    def pytest_sessionstart(self, session: pytest.Session) -> Generator[None, object, object]:
+        try:
+            return (yield)
+        except ScopeExpired:
+            if not (is_worker(session.config) and self._ran_out_here(session)):
+                raise
+            return None
+
+    @pytest.hookimpl(wrapper=True, trylast=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> Generator[None, object, object]:
+        try:
+            return (yield)
+        except (ScopeExpired, pytest.exit.Exception):
+            reason = self.state.stop_reason
+            if not (reason and self._ran_out_here(session)):
+                raise
+        session.exitstatus = pytest.ExitCode.INTERRUPTED
+        self.state.exitstatus = int(pytest.ExitCode.INTERRUPTED)
+        output: dict[str, Any] | None = getattr(session.config, "workeroutput", None)
+        if is_worker(session.config) and output is not None:
+            output[STOPPED_IN_SESSIONFINISH] = reason
+        else:
+            reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+            if reporter is not None:
+                reporter.write_line(f"Interrupted: {reason}")
+        return None
+
+    def _ran_out_here(self, session: pytest.Session) -> bool:
+        return self.state.session is session and session_budget_ran_out(self.state)
+
+
+# The key of an xdist worker's output that says why the session stops: its budget ran
+# out in the worker's pytest_sessionfinish (see SessionHooksBudget).
+STOPPED_IN_SESSIONFINISH = "elastic_timer_stopped_in_sessionfinish"
+
+
 def session_budget_ran_out(state: SessionState) -> bool:
     """Whether the session's own budget (``--expires-session``) has run out."""
     scope = state.session_scope
@@ -382,6 +437,7 @@ def collection_of_worker(session: pytest.Session) -> Iterator[None]:
     left it outside every collector (a plugin's hook) would be an internal error; the
     worker stops (Failed) instead, with the reason the controller stops the session
     with (see :func:`stop_worker_after_the_budget`)."""
+    stop_worker_after_the_budget(session)  # it ran out in the worker's sessionstart
     try:
         yield
     except ScopeExpired as exc:

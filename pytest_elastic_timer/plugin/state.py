@@ -55,6 +55,7 @@ class SessionState:
         self.previous_env: dict[str, str | None] = {}
         self.children_before: set[int] = set()  # this process's, at start
         self.session_scope: TimerRequest | None = None
+        self.stop_reason = ""  # why the session stopped, if its budget ran out
         # The watchdog's torch file-timer FIFO, which a test's torch agent may take over.
         self.torch_timer_file: TorchTimerFile | None = None
         self.session: pytest.Session | None = None

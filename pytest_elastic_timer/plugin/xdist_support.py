@@ -177,6 +177,10 @@ def pytest_testnodedown(node: Any, error: Any) -> None:
             state.budgets.reported[str(nodeid)] = tuple(budgets)
     if error is not None and state is not None and state.watchdog is not None:
         _stop_if_down_for_the_session(node, state.watchdog.records_path, state)
+    stopped = output.get(lifecycle.STOPPED_IN_SESSIONFINISH)
+    if stopped:  # the session's budget ran out in the worker's pytest_sessionfinish
+        node.config.stash.setdefault(STOPPED, str(stopped))
+        _stop_the_session(node.config, str(stopped))
 
 
 def _stop_if_down_for_the_session(node: Any, records_path: str, state: SessionState) -> None:
