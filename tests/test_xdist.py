@@ -1033,6 +1033,33 @@ def test_the_session_expiring_in_a_conftest_sessionfinish_ends_with_its_summary(
     assert session.seconds < 1.5 + 8, session.text
 
 
+def test_the_session_expiring_in_a_conftest_unconfigure_ends_with_status_2(
+    pytester: pytest.Pytester,
+) -> None:
+    """The session's budget runs out in a conftest's pytest_unconfigure: the hook is
+    interrupted, pytest exits 2 with the scope's line (it ended with the exception's
+    traceback, status 1), and the plugin still ends its session: the watchdog writes
+    the report with that exit status (it said pytest had been ended)."""
+    pytester.makeconftest("import time\n\n\ndef pytest_unconfigure(config):\n    time.sleep(60)\n")
+    pytester.makepyfile(test_s=TWO_TESTS)
+    session = run(pytester, "--expires-session=1.5")
+    session.assert_clean()
+    assert session.result.ret == pytest.ExitCode.INTERRUPTED, session.text
+    session.result.assert_outcomes(passed=2)
+    assert "Traceback" not in session.text and "pytest was ended" not in session.text
+    assert re.search(
+        r"^Interrupted: scope 'session' expired after [\d.]+s \(budget 1.5s\): "
+        r"interrupted \(phase sessionfinish\)$",
+        session.text,
+        re.MULTILINE,
+    ), session.text
+    assert session.report is not None
+    (record,) = session.report["expired"]
+    assert record["scope"] == "session"
+    assert session.report["session"]["exitstatus"] == 2
+    assert session.seconds < 1.5 + 8, session.text
+
+
 # -- processes a test started, under xdist: their records in the failure text --------
 CHILDREN = (
     PLAIN_CHILD_TEST

@@ -353,8 +353,23 @@ def _restart_limit_line(
         )
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_unconfigure(config: pytest.Config) -> None:
+# A wrapper, innermost: the session ends here after every other plugin's hook, also
+# where one of them raised (the session's budget running out in a conftest's hook).
+@pytest.hookimpl(wrapper=True, trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> Generator[None, object, object]:
+    try:
+        result = yield
+    except BaseException as exc:
+        stopped = lifecycle.stopped_in_unconfigure(config, exc)
+        _end_the_session(config)
+        if not stopped:
+            raise
+        return None
+    _end_the_session(config)
+    return result
+
+
+def _end_the_session(config: pytest.Config) -> None:
     state = config.stash.get(SESSION, None)
     if state is None:
         return

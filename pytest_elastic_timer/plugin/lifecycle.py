@@ -405,8 +405,7 @@ class SessionHooksBudget:
             reason = self.state.stop_reason
             if not (reason and self._ran_out_here(session)):
                 raise
-        session.exitstatus = pytest.ExitCode.INTERRUPTED
-        self.state.exitstatus = int(pytest.ExitCode.INTERRUPTED)
+        _interrupted(self.state)
         output: dict[str, Any] | None = getattr(session.config, "workeroutput", None)
         if is_worker(session.config) and output is not None:
             output[STOPPED_IN_SESSIONFINISH] = reason
@@ -418,6 +417,30 @@ class SessionHooksBudget:
 
     def _ran_out_here(self, session: pytest.Session) -> bool:
         return self.state.session is session and session_budget_ran_out(self.state)
+
+
+def stopped_in_unconfigure(config: pytest.Config, exc: BaseException) -> bool:
+    """Whether ``exc``, raised by another plugin's ``pytest_unconfigure``, is the
+    session's budget running out there; if so, the session ends with exit status 2 and
+    the reason on stderr (the exception would end pytest with a traceback, status 1)."""
+    state = config.stash.get(SESSION, None)
+    if (
+        state is None
+        or not isinstance(exc, (ScopeExpired, pytest.exit.Exception))
+        or not state.stop_reason
+        or not session_budget_ran_out(state)
+    ):
+        return False
+    _interrupted(state)
+    sys.stderr.write(f"Interrupted: {state.stop_reason}\n")
+    return True
+
+
+def _interrupted(state: SessionState) -> None:
+    """The session ends as one its budget stopped: exit status 2."""
+    state.exitstatus = int(pytest.ExitCode.INTERRUPTED)
+    if state.session is not None:
+        state.session.exitstatus = pytest.ExitCode.INTERRUPTED
 
 
 # The key of an xdist worker's output that says why the session stops: its budget ran
