@@ -287,6 +287,7 @@ def test_a_rank_that_never_reaches_all_reduce_is_missing(ranks: Any) -> None:
         "since": pytest.approx(NOW - waiting_start(zero)),
         "group": "default",
         "peer": -1,
+        "pid": 10_000,
     }
     assert (missing["op"], missing["seq"], missing["state"]) == ("broadcast", 2, "completed")
     line = col.collective_line(found, {1: STACK})
@@ -383,6 +384,7 @@ def test_a_rank_without_a_ring_is_missing_with_no_op(ranks: Any) -> None:
         "since": 0.0,
         "group": "",
         "peer": -1,
+        "pid": 0,
     }
     assert "ranks 0, 1 waiting" in col.collective_line(
         found

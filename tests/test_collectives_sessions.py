@@ -90,6 +90,18 @@ def missing_in_rank(rank, port):
         dist.all_reduce(torch.ones(4))  # timed all_reduce #2: rank 0 waits here
 
 
+def labelled(rank, port):
+    import pytest_elastic_timer as et
+
+    et.set_label(f"trainer {rank}")  # the program names its ranks itself
+    join(rank, port, "test_labelled")
+    dist.all_reduce(torch.ones(4))  # all_reduce #1
+    if rank == 1:
+        time.sleep(3600)  # trainer 1 never reaches its step
+    with et.expires(after=1, scope="step"):
+        dist.all_reduce(torch.ones(4))  # the step's all_reduce #2: trainer 0 waits here
+
+
 def crashed(rank, port):
     join(rank, port, "test_crashed")
     dist.all_reduce(torch.ones(4))  # all_reduce #1
@@ -208,6 +220,11 @@ def test_missing_in_rank():
 
 
 @pytest.mark.expires(120)
+def test_labelled():
+    run_ranks(ranks.labelled)  # fails once the watchdog ended trainer 0
+
+
+@pytest.mark.expires(120)
 def test_crashed():
     run_ranks(ranks.crashed)  # fails once rank 1 has crashed
 
@@ -322,7 +339,7 @@ def line_of(directory: Path, marker: str) -> int:
 def test_the_sessions_outcomes(spawned: tuple[Path, Session]) -> None:
     _, session = spawned
     assert "INTERNALERROR" not in session.text
-    session.result.assert_outcomes(failed=5, passed=2)
+    session.result.assert_outcomes(failed=6, passed=2)
 
 
 @pytest.mark.expires(TORCH_BUDGET)
@@ -390,6 +407,30 @@ def test_a_rank_that_times_its_own_step_is_told_where_the_missing_rank_is(
     assert re.search(pattern, session.stdout), session.stdout
     block = failure_block(session, "test_missing_in_rank")
     assert "elastic-timer: stack of rank 1, pid" in block, block
+
+
+@pytest.mark.expires(TORCH_BUDGET)
+def test_a_missing_rank_that_has_a_label_of_its_own_is_told_where_it_is(
+    spawned: tuple[Path, Session],
+) -> None:
+    """The program labels its ranks ``trainer N``: the collective still says where the
+    missing rank is, from the stack of its process (found by its pid, not its label)."""
+    directory, session = spawned
+    record = record_of(session, "test_labelled")
+    assert (record["scope"], record["label"]) == ("step", "trainer 0"), record
+    collective = record["collective"]
+    assert (collective["waiting"], collective["missing"]) == ([0], [1])
+    pids = rank_pids(directory, "test_labelled")
+    assert {r: collective["ranks"][str(r)]["pid"] for r in (0, 1)} == pids
+    (peer,) = record["peers"]
+    assert (peer["label"], peer["pid"]) == ("trainer 1", pids[1])
+    sleep = line_of(directory, "trainer 1 never reaches its step")
+    pattern = (
+        r"collective all_reduce #2 \(group default, 2 ranks\): rank 0 waiting \d+\.\ds at "
+        rf"ranks\.py:{line_of(directory, 'trainer 0 waits here')}; rank 1 missing, "
+        rf"last completed all_reduce #1, now in labelled at ranks\.py:{sleep}"
+    )
+    assert re.search(pattern, session.stdout), session.stdout
 
 
 @pytest.mark.expires(TORCH_BUDGET)
@@ -499,7 +540,7 @@ def test_collectives_are_slices_on_each_ranks_track(spawned: tuple[Path, Session
 def test_no_rank_outlives_its_test(spawned: tuple[Path, Session]) -> None:
     directory, _ = spawned
     pids = sorted(int(p.read_text()) for p in (directory / "pids").glob("*.pid"))
-    assert len(pids) == 14, pids  # seven tests of two ranks
+    assert len(pids) == 16, pids  # eight tests of two ranks
     assert all(wait_gone(pid, 5.0) for pid in pids)
 
 

@@ -480,7 +480,9 @@ def _at(ring: Ring | None, group: str, seq: int, kinds: tuple[int, ...]) -> Entr
     )
 
 
-def _rank_view(entry: Entry | None, now: float) -> dict[str, Any]:
+def _rank_view(entry: Entry | None, now: float, ring: Ring | None) -> dict[str, Any]:
+    """What one rank was doing; ``pid``: its process (0 for a rank without a ring)."""
+    pid = ring.pid if ring is not None else 0
     if entry is None:
         return {
             "op": "",
@@ -491,6 +493,7 @@ def _rank_view(entry: Entry | None, now: float) -> dict[str, Any]:
             "since": 0.0,
             "group": "",
             "peer": -1,
+            "pid": pid,
         }
     began = entry.start if entry.started or not entry.end else entry.end
     return {
@@ -502,6 +505,7 @@ def _rank_view(entry: Entry | None, now: float) -> dict[str, Any]:
         "since": round(max(0.0, now - began), 3),
         "group": entry.group,
         "peer": entry.peer if entry.kind in (SEND, RECV) else -1,
+        "pid": pid,
     }
 
 
@@ -607,10 +611,10 @@ def align(
     ranks: dict[str, dict[str, Any]] = {}
     for rank in sorted({*members, *beside}):
         entry = here.get(rank)
-        if entry is None:
-            rank_ring = by_rank.get(rank)
-            entry = (rank_ring.blocked() or rank_ring.last()) if rank_ring else None
-        ranks[str(rank)] = _rank_view(entry, now)
+        rank_ring = by_rank.get(rank)
+        if entry is None and rank_ring is not None:
+            entry = rank_ring.blocked() or rank_ring.last()
+        ranks[str(rank)] = _rank_view(entry, now, rank_ring)
     found: dict[str, Any] = {
         "group": group,
         "seq": seq,

@@ -87,17 +87,24 @@ class ExpiryRecord:
 
     def rank_stacks(self) -> dict[int, str]:
         """The stacks of the ranks among the owner, its children and its peers, by
-        global rank."""
+        global rank: by the pid the collective gives each rank (a rank labelled
+        ``set_label("trainer 1")`` too), else by a ``rank N`` label."""
         from pytest_elastic_timer.core import collectives  # only records of ranks ask
 
-        stacks: dict[int, str] = {}
-        for label, stack in (
-            (self.label, self.stack),
+        processes = [
+            (self.pid, self.label, self.stack),
             *(
-                (str(c.get("label", "")), str(c.get("stack", "")))
+                (int(c.get("pid", 0)), str(c.get("label", "")), str(c.get("stack", "")))
                 for c in (*self.children, *self.peers)
             ),
-        ):
+        ]
+        by_pid = {pid: stack for pid, _, stack in processes if pid and stack}
+        stacks: dict[int, str] = {}
+        for rank, view in ((self.collective or {}).get("ranks") or {}).items():
+            stack = by_pid.get(int(view.get("pid", 0)))
+            if stack:
+                stacks[int(rank)] = stack
+        for _, label, stack in processes:
             rank = collectives.rank_of_label(label)
             if rank is not None and stack:
                 stacks.setdefault(rank, stack)
