@@ -288,6 +288,7 @@ def test_a_rank_that_never_reaches_all_reduce_is_missing(ranks: Any) -> None:
         "group": "default",
         "peer": -1,
         "pid": 10_000,
+        "ended": "",
     }
     assert (missing["op"], missing["seq"], missing["state"]) == ("broadcast", 2, "completed")
     line = col.collective_line(found, {1: STACK})
@@ -385,6 +386,7 @@ def test_a_rank_without_a_ring_is_missing_with_no_op(ranks: Any) -> None:
         "group": "",
         "peer": -1,
         "pid": 0,
+        "ended": "",
     }
     assert "ranks 0, 1 waiting" in col.collective_line(
         found
@@ -854,3 +856,35 @@ def test_a_ranks_stack_on_the_terminal_keeps_the_frames_around_the_recorder() ->
         '  File "<string>", line 1 in <module>\n'
     )
     assert stacks.trim_stack(dump) == dump
+
+
+def test_a_missing_rank_whose_process_had_ended_is_told_apart(ranks: Any) -> None:
+    """A rank gone at the amendment whose stack was not taken at the deadline (no live
+    process below the owner or of its world) had ended before it: it crashed, it does
+    not wait somewhere. One whose stack was taken ended later, as its tree was ended."""
+    from pytest_elastic_timer.core import records
+    from pytest_elastic_timer.watchdog.collectives import CollectivesAmender
+
+    zero, one, two = ranks(3)
+    for rank in (zero, one, two):
+        rank.op("all_reduce")
+    zero.op("all_reduce", done=False)
+    one.writer.words[col.H_PID] = dead_pid()  # crashed before the deadline
+    two.writer.words[col.H_PID] = later = dead_pid()  # ended after it
+    record = records.ExpiryRecord(
+        "t.py::t", "t::call", 2.0, 2.1, 4242, "", "", "t.py", 1, "interrupted", "",
+        children=[{"pid": 10_000, "label": "rank 0"}, {"pid": later, "stack": STACK}],
+        deadline=NOW,
+    )  # fmt: skip
+    CollectivesAmender(str(zero.ring().path.rsplit("/", 1)[0]), dict)(record)
+    found = record.collective
+    assert found is not None and (found["waiting"], found["missing"]) == ([0], [1, 2])
+    assert [found["ranks"][r]["ended"] for r in "012"] == ["", "died", ""]
+    line = col.collective_line(found, record.rank_stacks())
+    assert "; rank 1 missing (died), last completed all_reduce #1; rank 2 missing, last " in line
+    assert line.endswith("now in serve at train.py:52")
+    one.writer.mark_exited()  # returned from its program instead
+    again = dataclasses.replace(record, collective=None)
+    CollectivesAmender(str(zero.ring().path.rsplit("/", 1)[0]), dict)(again)
+    assert again.collective is not None and again.collective["ranks"]["1"]["ended"] == "exited"
+    assert "rank 1 missing (exited), last completed" in col.collective_line(again.collective)

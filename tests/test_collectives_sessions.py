@@ -47,6 +47,7 @@ RANKS = '''
 """Ranks of the inner tests: torch only, pytest_elastic_timer only in missing_in_rank."""
 import os
 import re
+import signal
 import sys
 import time
 
@@ -62,10 +63,10 @@ def note(test, rank, what):
         f.write(str(os.getpid()))
 
 
-def join(rank, port, test):
+def join(rank, port, test, world_size=2):
     note(test, rank, "pid")
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
     )
 
 
@@ -108,6 +109,17 @@ def crashed(rank, port):
     if rank == 1:
         os._exit(3)  # rank 1 crashes; mp.spawn then ends rank 0, in no op either
     time.sleep(3600)
+
+
+def crashed_beside_stuck(rank, port):
+    join(rank, port, "test_crashed_beside_stuck", world_size=3)
+    dist.all_reduce(torch.ones(4))  # all_reduce #1
+    note("test_crashed_beside_stuck", rank, "ready")
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # rank 1 crashes
+    if rank == 2:
+        time.sleep(3600)  # rank 2 is alive, stuck before all_reduce #2
+    dist.all_reduce(torch.ones(4))  # all_reduce #2: rank 0 waits here (gloo: for rank 2)
 
 
 def desync(rank, port):
@@ -171,9 +183,9 @@ def free_port():
         return s.getsockname()[1]
 
 
-def start(target, *args):
+def start(target, *args, nprocs=2):
     return mp.start_processes(
-        target, args=(free_port(), *args), nprocs=2, join=False, start_method="spawn"
+        target, args=(free_port(), *args), nprocs=nprocs, join=False, start_method="spawn"
     )
 
 
@@ -227,6 +239,23 @@ def test_labelled():
 @pytest.mark.expires(120)
 def test_crashed():
     run_ranks(ranks.crashed)  # fails once rank 1 has crashed
+
+
+@pytest.mark.expires(120)
+def test_crashed_beside_stuck():
+    ctx = start(ranks.crashed_beside_stuck, nprocs=3)
+    zero, _, two = ctx.processes
+    try:
+        # (no ctx.join: it raises as soon as rank 1 is gone)
+        ready = [os.path.join(HERE, "pids", f"test_crashed_beside_stuck-{r}.ready") for r in "012"]
+        while not all(os.path.exists(p) for p in ready):
+            time.sleep(0.05)
+        time.sleep(0.5)  # rank 1 is gone and rank 0 in all_reduce #2 by now
+        with et.expires(after=2, scope="collective"):
+            while zero.is_alive() or two.is_alive():
+                time.sleep(0.05)
+    finally:
+        end(ctx)
 
 
 @pytest.mark.expires(120)
@@ -339,7 +368,7 @@ def line_of(directory: Path, marker: str) -> int:
 def test_the_sessions_outcomes(spawned: tuple[Path, Session]) -> None:
     _, session = spawned
     assert "INTERNALERROR" not in session.text
-    session.result.assert_outcomes(failed=6, passed=2)
+    session.result.assert_outcomes(failed=7, passed=2)
 
 
 @pytest.mark.expires(TORCH_BUDGET)
@@ -447,6 +476,44 @@ def test_a_rank_that_crashed_outside_an_op_is_named_with_its_last_op(
 
 
 @pytest.mark.expires(TORCH_BUDGET)
+def test_a_missing_rank_that_crashed_is_told_apart_from_one_that_is_stuck(
+    spawned: tuple[Path, Session],
+) -> None:
+    """Rank 1 killed itself before the deadline, rank 2 sleeps: both are missing from
+    all_reduce #2, and the record says which one's process had ended."""
+    directory, session = spawned
+    record = record_of(session, "test_crashed_beside_stuck")
+    collective = record["collective"]
+    assert {k: collective[k] for k in ("op", "seq", "waiting", "missing", "died")} == {
+        "op": "all_reduce",
+        "seq": 2,
+        "waiting": [0],
+        "missing": [1, 2],
+        "died": [],
+    }
+    pids = {
+        r: int((directory / "pids" / f"test_crashed_beside_stuck-{r}.pid").read_text())
+        for r in (0, 1, 2)
+    }
+    views = collective["ranks"]
+    assert {r: (views[str(r)]["pid"], views[str(r)]["ended"]) for r in (0, 1, 2)} == {
+        0: (pids[0], ""),
+        1: (pids[1], "died"),
+        2: (pids[2], ""),
+    }
+    sleep = line_of(directory, "rank 2 is alive, stuck before all_reduce #2")
+    pattern = (
+        r"collective all_reduce #2 \(group default, 3 ranks\): rank 0 waiting \d+\.\ds at "
+        rf"ranks\.py:{line_of(directory, 'rank 0 waits here (gloo: for rank 2)')}; "
+        r"rank 1 missing \(died\), last completed all_reduce #1; "
+        rf"rank 2 missing, last completed all_reduce #1, now in crashed_beside_stuck at "
+        rf"ranks\.py:{sleep}$"
+    )
+    found = [s for s in session.stdout.splitlines() if re.search(pattern, s)]
+    assert len(found) >= 1, session.stdout
+
+
+@pytest.mark.expires(TORCH_BUDGET)
 def test_ranks_in_different_ops_at_one_sequence_number_are_an_op_mismatch(
     spawned: tuple[Path, Session],
 ) -> None:
@@ -540,7 +607,7 @@ def test_collectives_are_slices_on_each_ranks_track(spawned: tuple[Path, Session
 def test_no_rank_outlives_its_test(spawned: tuple[Path, Session]) -> None:
     directory, _ = spawned
     pids = sorted(int(p.read_text()) for p in (directory / "pids").glob("*.pid"))
-    assert len(pids) == 16, pids  # eight tests of two ranks
+    assert len(pids) == 19, pids  # eight tests of two ranks, one of three
     assert all(wait_gone(pid, 5.0) for pid in pids)
 
 

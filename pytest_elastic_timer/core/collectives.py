@@ -480,9 +480,13 @@ def _at(ring: Ring | None, group: str, seq: int, kinds: tuple[int, ...]) -> Entr
     )
 
 
-def _rank_view(entry: Entry | None, now: float, ring: Ring | None) -> dict[str, Any]:
-    """What one rank was doing; ``pid``: its process (0 for a rank without a ring)."""
+def _rank_view(
+    entry: Entry | None, now: float, ring: Ring | None, *, dead: bool = False
+) -> dict[str, Any]:
+    """What one rank was doing; ``pid``: its process (0 for a rank without a ring);
+    ``ended``: how that process had ended (``dead``), "" while it ran."""
     pid = ring.pid if ring is not None else 0
+    ended = ("exited" if ring.exited else "died") if dead and ring is not None else ""
     if entry is None:
         return {
             "op": "",
@@ -494,6 +498,7 @@ def _rank_view(entry: Entry | None, now: float, ring: Ring | None) -> dict[str, 
             "group": "",
             "peer": -1,
             "pid": pid,
+            "ended": ended,
         }
     began = entry.start if entry.started or not entry.end else entry.end
     return {
@@ -506,6 +511,7 @@ def _rank_view(entry: Entry | None, now: float, ring: Ring | None) -> dict[str, 
         "group": entry.group,
         "peer": entry.peer if entry.kind in (SEND, RECV) else -1,
         "pid": pid,
+        "ended": ended,
     }
 
 
@@ -614,7 +620,7 @@ def align(
         rank_ring = by_rank.get(rank)
         if entry is None and rank_ring is not None:
             entry = rank_ring.blocked() or rank_ring.last()
-        ranks[str(rank)] = _rank_view(entry, now, rank_ring)
+        ranks[str(rank)] = _rank_view(entry, now, rank_ring, dead=rank in dead)
     found: dict[str, Any] = {
         "group": group,
         "seq": seq,
@@ -699,7 +705,8 @@ def collective_line(
         state = view.get("state", "none")
         # An op of another group than the collective's says which group.
         of = f" (group {view['group']})" if view.get("group") not in (None, "", group) else ""
-        text = f"rank {rank} missing"
+        # A rank whose process had ended: crashed or returned, not stuck somewhere.
+        text = f"rank {rank} missing" + (f" ({view['ended']})" if view.get("ended") else "")
         if state == "completed":
             text += f", last completed {_op_text(view)}{of}"
         elif state == "started":
@@ -796,14 +803,20 @@ def as_of(ring: Ring, moment: float) -> Ring:
 
 
 def collective_for(
-    directory: str, pids: Iterable[int], moment: float, gone: Collection[int] = ()
+    directory: str,
+    pids: Iterable[int],
+    moment: float,
+    gone: Collection[int] = (),
+    running: Collection[int] | None = None,
 ) -> dict[str, Any] | None:
     """The ``collective`` field for an expiry whose owner and descendants are ``pids``,
     at ``moment`` (the deadline): their rings, with every ring of the same world (the
     rank that owns a scope is not the parent of the other ranks, and a rank that died
     is nobody's child), as they stood then, aligned. The rings outlive their processes,
     so this may run after the escalation ended them; ``gone``: the pids known to have
-    ended before ``moment``."""
+    ended before ``moment``; ``running``, where given: the pids known to run at
+    ``moment``, so that a rank's process outside them that has ended by now had ended
+    before ``moment`` (a rank that crashed, not one still stuck)."""
     pids = set(pids)
     seeds = [r for r in newest_per_pid(read_rings(ring_paths(directory, pids))) if r.rank >= 0]
     if not seeds:
@@ -818,6 +831,9 @@ def collective_for(
     read = {r.path: r for r in seeds}
     read.update((r.path, r) for r in _whole(r for r in world if r.path not in read))
     rings = [read[r.path] for r in world if r.path in read]
+    if running is not None:
+        ended = {r.pid for r in rings if not process_alive(r.pid, r.starttime)}
+        gone = {*gone, *(ended - set(running))}
     return align([as_of(r, moment) for r in rings], moment, gone, owners=pids)
 
 

@@ -46,7 +46,18 @@ class CollectivesAmender:
                 child["label"] = label
         if not record.label and labels.get(record.pid):
             record.label = labels[record.pid]
-        gone = {pid for pid, when in self.ended().items() if when <= record.deadline}
-        found = collectives.collective_for(self.directory, pids, record.deadline, gone)
+        ended = self.ended()
+        gone = {pid for pid, when in ended.items() if when <= record.deadline}
+        # Running at the deadline: the owner and the processes whose stacks were asked
+        # for then (every live one below it and of its world), and those that ended
+        # after it. Any other rank whose process is gone had ended before it.
+        running = {
+            *pids,
+            *(int(p["pid"]) for p in record.peers if "pid" in p),
+            *(pid for pid, when in ended.items() if when > record.deadline),
+        }
+        found = collectives.collective_for(
+            self.directory, pids, record.deadline, gone, running=running
+        )
         if found is not None:
             record.collective = found
