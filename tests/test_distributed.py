@@ -283,6 +283,7 @@ def test_rank_stuck_in_all_reduce(pytester: pytest.Pytester, xdist: bool) -> Non
 # -- torch's own harness: ranks that never import this package ----------------------
 @pytest.mark.expires(TORCH_BUDGET)
 def test_multi_process_test_case_bounded_by_expires(pytester: pytest.Pytester) -> None:
+    pytest.importorskip("expecttest", reason="torch's MultiProcessTestCase needs expecttest")
     source = pytester.makepyfile(test_mptc=MULTI_PROCESS_TEST_CASE)
     session = run(pytester, "--expires=20", f"--elastic-timer-grace={GRACE:g}", "-rA")
     session.assert_clean()
