@@ -1060,6 +1060,59 @@ def test_the_session_expiring_in_a_conftest_unconfigure_ends_with_status_2(
     assert session.seconds < 1.5 + 8, session.text
 
 
+CAUGHT_IN_HOOK = """
+import os
+import sys
+import time
+
+
+def pytest_{hook}({arg}):
+    if {where}:
+        try:
+            time.sleep(60)
+        except Exception as exc:  # a cleanup that logs what went wrong and goes on
+            print("cleanup failed:", type(exc).__name__, file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize(
+    ("hook", "xdist"),
+    [("sessionfinish", False), ("unconfigure", False), ("sessionfinish", True)],
+    ids=["sessionfinish", "unconfigure", "sessionfinish-xdist"],
+)
+def test_the_session_expiring_in_a_hook_that_catches_it_still_ends_with_status_2(
+    pytester: pytest.Pytester, hook: str, xdist: bool
+) -> None:
+    """The session's budget runs out in a conftest's pytest_sessionfinish or
+    pytest_unconfigure that catches the exception itself (``except Exception``, as
+    cleanup code does) and returns. The budget ran out all the same: pytest exits 2
+    with the scope's line, as where the hook let the exception through (or where a
+    test catches it), and the report says so (it exited 0)."""
+    where = 'os.environ.get("PYTEST_XDIST_WORKER") == "gw1"' if xdist else "True"
+    arg = "config" if hook == "unconfigure" else "session"
+    pytester.makeconftest(CAUGHT_IN_HOOK.format(hook=hook, arg=arg, where=where))
+    pytester.makepyfile(test_s=TWO_TESTS)
+    if xdist:
+        session = run_xdist(pytester, GRACE, "--expires-session=3")
+    else:
+        session = run(pytester, "--expires-session=1.5")
+    session.assert_clean()
+    assert "cleanup failed: " in session.text, session.text
+    assert session.result.ret == pytest.ExitCode.INTERRUPTED, session.text
+    session.result.assert_outcomes(passed=2)
+    assert re.search(
+        r"Interrupted: scope 'session' expired after [\d.]+s \(budget [\d.]+s\): "
+        rf"interrupted \(phase sessionfinish{', gw1' if xdist else ''}\)",
+        session.text,
+    ), session.text
+    assert session.report is not None
+    (record,) = session.report["expired"]
+    assert record["scope"] == "session"
+    assert session.report["session"]["exitstatus"] == 2
+    assert session.seconds < (3 + 0.5 + 5 + 8 if xdist else 1.5 + 8), session.text
+    assert_all_gone(session, {r["pid"] for r in session.report["expired"]})
+
+
 # -- processes a test started, under xdist: their records in the failure text --------
 CHILDREN = (
     PLAIN_CHILD_TEST

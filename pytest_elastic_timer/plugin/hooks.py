@@ -357,14 +357,17 @@ def _restart_limit_line(
 # where one of them raised (the session's budget running out in a conftest's hook).
 @pytest.hookimpl(wrapper=True, trylast=True)
 def pytest_unconfigure(config: pytest.Config) -> Generator[None, object, object]:
+    state = config.stash.get(SESSION, None)
+    before = state is not None and lifecycle.session_budget_ran_out(state)
     try:
         result = yield
     except BaseException as exc:
-        stopped = lifecycle.stopped_in_unconfigure(config, exc)
+        stopped = lifecycle.stopped_in_unconfigure(config, exc, before)
         _end_the_session(config)
         if not stopped:
             raise
         return None
+    lifecycle.stopped_in_unconfigure(config, None, before)  # a hook that caught it
     _end_the_session(config)
     return result
 

@@ -399,12 +399,20 @@ class SessionHooksBudget:
 
     @pytest.hookimpl(wrapper=True, trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> Generator[None, object, object]:
+        # Run out before (in a test, say): the session was stopped there already.
+        before = session_budget_ran_out(self.state)
         try:
-            return (yield)
+            result = yield
         except (ScopeExpired, pytest.exit.Exception):
-            reason = self.state.stop_reason
-            if not (reason and self._ran_out_here(session)):
+            if before or not self._ran_out_here(session):
                 raise
+        else:
+            # Also where the hook caught the exception itself (``except Exception``):
+            # the budget ran out all the same, as a test that catches it stops the
+            # session all the same.
+            if before or not self._ran_out_here(session):
+                return result
+        reason = self.state.stop_reason
         _interrupted(self.state)
         output: dict[str, Any] | None = getattr(session.config, "workeroutput", None)
         if is_worker(session.config) and output is not None:
@@ -416,17 +424,23 @@ class SessionHooksBudget:
         return None
 
     def _ran_out_here(self, session: pytest.Session) -> bool:
-        return self.state.session is session and session_budget_ran_out(self.state)
+        state = self.state
+        return (
+            bool(state.stop_reason) and state.session is session and session_budget_ran_out(state)
+        )
 
 
-def stopped_in_unconfigure(config: pytest.Config, exc: BaseException) -> bool:
-    """Whether ``exc``, raised by another plugin's ``pytest_unconfigure``, is the
-    session's budget running out there; if so, the session ends with exit status 2 and
-    the reason on stderr (the exception would end pytest with a traceback, status 1)."""
+def stopped_in_unconfigure(config: pytest.Config, exc: BaseException | None, before: bool) -> bool:
+    """Whether the session's budget ran out in the other plugins' ``pytest_unconfigure``
+    (``before``: whether it had run out before them): ``exc`` raised by one of them is
+    that budget's, or None where they returned (a hook that caught the exception
+    itself). If so, the session ends with exit status 2 and the reason on stderr (the
+    exception would end pytest with a traceback, status 1)."""
     state = config.stash.get(SESSION, None)
     if (
         state is None
-        or not isinstance(exc, (ScopeExpired, pytest.exit.Exception))
+        or (exc is None and before)
+        or (exc is not None and not isinstance(exc, (ScopeExpired, pytest.exit.Exception)))
         or not state.stop_reason
         or not session_budget_ran_out(state)
     ):
