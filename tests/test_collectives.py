@@ -620,7 +620,7 @@ def test_a_record_with_a_collective_matches_the_schema_and_says_it_in_one_line(
         line=40,
         action="terminated",
         stack="",
-        children=[{"pid": 7, "label": "rank 1", "stack": STACK}],
+        children=[{"pid": one.ring().pid, "label": "rank 1", "stack": STACK}],
         collective=col.align(rings([zero, one]), NOW),
     )
     report = {"version": 1, "expired": [record.to_json()], "session": SESSION}
@@ -888,3 +888,36 @@ def test_a_missing_rank_whose_process_had_ended_is_told_apart(ranks: Any) -> Non
     CollectivesAmender(str(zero.ring().path.rsplit("/", 1)[0]), dict)(again)
     assert again.collective is not None and again.collective["ranks"]["1"]["ended"] == "exited"
     assert "rank 1 missing (exited), last completed" in col.collective_line(again.collective)
+
+
+def test_a_rank_that_died_is_not_told_where_a_process_of_its_label_is(ranks: Any) -> None:
+    """Rank 1 crashed before the deadline; a process it started (a DataLoader worker,
+    which inherits RANK=1 and reads 'rank 1') still runs below the owner, with a stack.
+    That stack is not rank 1's: the line says rank 1 died, not that it is 'now in' the
+    worker's frame. The stack of a rank is its own process's, by the collective's pid;
+    a process's label only stands for a rank whose process is not known."""
+    from pytest_elastic_timer.core import records
+    from pytest_elastic_timer.watchdog.collectives import CollectivesAmender
+
+    zero, one = ranks(2)
+    for rank in (zero, one):
+        rank.op("all_reduce")
+    zero.op("all_reduce", done=False)
+    one.writer.words[col.H_PID] = dead_pid()  # crashed before the deadline
+    record = records.ExpiryRecord(
+        "t.py::t", "t::call", 2.0, 2.1, 4242, "", "", "t.py", 1, "interrupted", "",
+        children=[
+            {"pid": 10_000, "label": "rank 0"},
+            {"pid": os.getpid(), "label": "rank 1", "stack": STACK},  # rank 1's worker
+        ],
+        deadline=NOW,
+    )  # fmt: skip
+    CollectivesAmender(str(zero.ring().path.rsplit("/", 1)[0]), dict)(record)
+    found = record.collective
+    assert found is not None and (found["missing"], found["ranks"]["1"]["ended"]) == ([1], "died")
+    assert 1 not in record.rank_stacks()
+    line = col.collective_line(found, record.rank_stacks())
+    assert line.endswith("rank 1 missing (died), last completed all_reduce #1"), line
+    # A rank with no process known (no ring) is still told by its label.
+    del found["ranks"]["1"]["pid"]
+    assert record.rank_stacks()[1] == STACK

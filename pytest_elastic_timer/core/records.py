@@ -88,7 +88,10 @@ class ExpiryRecord:
     def rank_stacks(self) -> dict[int, str]:
         """The stacks of the ranks among the owner, its children and its peers, by
         global rank: by the pid the collective gives each rank (a rank labelled
-        ``set_label("trainer 1")`` too), else by a ``rank N`` label."""
+        ``set_label("trainer 1")`` too), else, for a rank whose process is not known
+        (no ring), by a ``rank N`` label. A rank's process that had ended has no stack:
+        another process labelled as that rank (one it started, which inherited its
+        ``RANK``) is not where it is."""
         from pytest_elastic_timer.core import collectives  # only records of ranks ask
 
         processes = [
@@ -100,13 +103,17 @@ class ExpiryRecord:
         ]
         by_pid = {pid: stack for pid, _, stack in processes if pid and stack}
         stacks: dict[int, str] = {}
+        known: set[int] = set()  # the ranks whose process the collective names
         for rank, view in ((self.collective or {}).get("ranks") or {}).items():
-            stack = by_pid.get(int(view.get("pid", 0)))
+            pid = int(view.get("pid", 0))
+            if pid:
+                known.add(int(rank))
+            stack = by_pid.get(pid) if pid else None
             if stack:
                 stacks[int(rank)] = stack
         for _, label, stack in processes:
             rank = collectives.rank_of_label(label)
-            if rank is not None and stack:
+            if rank is not None and rank not in known and stack:
                 stacks.setdefault(rank, stack)
         return stacks
 
