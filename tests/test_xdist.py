@@ -1060,6 +1060,34 @@ def test_the_session_expiring_in_a_conftest_unconfigure_ends_with_status_2(
     assert session.seconds < 1.5 + 8, session.text
 
 
+def test_the_session_expiring_in_a_conftest_sessionstart_reports_status_2(
+    pytester: pytest.Pytester,
+) -> None:
+    """Without xdist: the session's budget runs out in a conftest's
+    pytest_sessionstart. pytest stops there (no pytest_sessionfinish runs) with status
+    2, and the JSON report says 2 too (it said null, as for a pytest that never
+    finished)."""
+    pytester.makeconftest(
+        WORKER_SESSION_HOOK_HANGS.replace(' == "gw1"', " is None").format(
+            hook="sessionstart", hang="time.sleep(60)"
+        )
+    )
+    pytester.makepyfile(test_s=TWO_TESTS)
+    session = run(pytester, "--expires-session=1.5")
+    session.assert_clean()
+    assert session.result.ret == pytest.ExitCode.INTERRUPTED, session.text
+    assert re.search(
+        r"scope 'session' expired after [\d.]+s \(budget 1.5s\): "
+        r"interrupted \(phase sessionstart\)",
+        session.stderr,
+    ), session.text
+    assert session.report is not None
+    (record,) = session.report["expired"]
+    assert (record["scope"], record["phase"]) == ("session", "sessionstart")
+    assert session.report["session"]["exitstatus"] == 2
+    assert session.seconds < 1.5 + 8, session.text
+
+
 CAUGHT_IN_HOOK = """
 import os
 import sys

@@ -380,6 +380,10 @@ def _end_the_session(config: pytest.Config) -> None:
     if state.expiry_listener in scopes.expiry_listeners:
         scopes.expiry_listeners.remove(state.expiry_listener)
     lifecycle.leave_session_scope(state)
+    if state.exitstatus is None and state.session is not None:
+        # No pytest_sessionfinish said it: the session stopped in its sessionstart (its
+        # budget ran out there), and pytest's status is the session's.
+        state.exitstatus = int(getattr(state.session, "exitstatus", 0))
     process = scopes.current_state()
     if process is not None:
         process.flush_trace()
