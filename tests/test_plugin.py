@@ -1484,6 +1484,57 @@ def test_an_interrupt_that_comes_while_the_expiry_listeners_run_is_not_lost(
     }
 
 
+PENDING_SIGNAL_TEST = """
+import signal
+import threading
+import time
+
+import pytest
+import pytest_elastic_timer as et
+from pytest_elastic_timer.scope import scopes
+
+def test_pending(monkeypatch):
+    main = threading.main_thread().ident
+    # A thread that takes the interrupt leaves the main thread as one that got it on its
+    # way into a blocking call does: its handler due, and the call blocking on.
+    taker = threading.Thread(target=threading.Event().wait, args=(30,), daemon=True)
+    taker.start()
+    asleep = threading.Event()
+    diverted = []
+    pthread_kill = signal.pthread_kill
+
+    def divert_once(thread, signum):
+        if thread == main and not diverted and main not in scopes._notifying:
+            asleep.wait(10)
+            time.sleep(0.1)  # well inside its sleep
+            diverted.append(signum)
+            thread = taker.ident
+        pthread_kill(thread, signum)
+
+    monkeypatch.setattr(signal, "pthread_kill", divert_once)
+    with pytest.raises(et.ScopeExpired, match="step"):
+        with et.expires(0.2, scope="step"):
+            with scopes.holding_interrupts():
+                time.sleep(0.5)  # the interrupt comes meanwhile: it is sent again
+            asleep.set()
+            time.sleep(10)
+    assert diverted
+"""
+
+
+def test_an_interrupt_that_only_marks_the_handler_due_is_sent_again(
+    pytester: pytest.Pytester,
+) -> None:
+    # The package's thread that interrupts the main thread sends the signal again until
+    # the handler has run: the one that came just before a blocking call did not break
+    # it, and the scope was terminated at the end of its grace.
+    pytester.makepyfile(test_pending=PENDING_SIGNAL_TEST)
+    session = run(pytester)
+    session.assert_clean()
+    session.result.assert_outcomes(passed=1)
+    assert session.record("test_pending::call/step")["action"] == "interrupted"
+
+
 # -- start-up: nobody waits for the watchdog ---------------------------------------------
 NO_WATCHDOG_SITE = """
 import os, sys

@@ -144,15 +144,47 @@ def start_helper(thread: threading.Thread) -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+# Runs of this process's interrupt handler so far (the handler counts them): a thread of
+# the package that sent the main thread its interrupt sees by it whether it was heard.
+handler_runs = 0
+# How long such a thread waits for the handler to run before it sends the signal again
+# (each wait twice the last, up to RESEND_MAX), and for how long it goes on.
+RESEND_AFTER = 0.005
+RESEND_MAX = 0.1
+RESEND_FOR = 5.0
+
+
 def interrupt_main_thread(signum: int) -> None:
-    """Send ``signum`` to this process's main thread, where its Python handler runs.
+    """Send ``signum`` to this process's main thread, where its Python handler runs, and
+    send it again until the handler has run.
 
     Not to the process: a thread of the test (not blocking signals, unlike the package's
     own) could take it while the main thread sleeps in a blocking call, and the handler
     would wait until that call returned.
+
+    Again, because a signal that comes while the main thread is on its way into a
+    blocking call, after the interpreter last looked for signals, only marks the handler
+    as due: ``time.sleep(5)`` sleeps on, and the handler runs when it returns. That is
+    where the calling thread, waiting for the GIL, gets it: the main thread lets go of
+    it just before it blocks. A signal sent while it blocks breaks it out.
     """
-    with contextlib.suppress(ProcessLookupError):  # the interpreter is ending
-        signal.pthread_kill(threading.main_thread().ident or 0, signum)
+    main = threading.main_thread().ident or 0
+    if main == unpatched.get_ident():  # the handler runs before pthread_kill returns
+        with contextlib.suppress(ProcessLookupError):
+            signal.pthread_kill(main, signum)
+        return
+    wait = RESEND_AFTER
+    give_up = _monotonic() + RESEND_FOR
+    while True:
+        with contextlib.suppress(ProcessLookupError):  # the interpreter is ending
+            signal.pthread_kill(main, signum)
+        # Counted after the signal went out: a run that began before it did not hear
+        # it (at worst the signal goes once more than it had to).
+        runs = handler_runs
+        unpatched.sleep(wait)
+        if handler_runs != runs or _monotonic() >= give_up:
+            return
+        wait = min(2 * wait, RESEND_MAX)
 
 
 class ProcessState:

@@ -863,6 +863,7 @@ def _on_interrupt(signum: int, frame: FrameType | None) -> None:
     its thread as an asynchronous one.
     """
     __tracebackhide__ = True
+    client.handler_runs += 1  # heard: the thread that sent the signal stops sending it
     # No state between set_aside() and the next one's start: an outer session's scopes
     # may still be open, and due.
     state = _state or (_aside[-1] if _aside else None)
