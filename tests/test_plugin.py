@@ -1452,16 +1452,24 @@ def test_nested():
             pass
 
     def slow_listener():
-        busy(10)
-
-    with pytest.raises(et.ScopeExpired, match="outer"):
-        with et.expires(0.6, scope="outer") as outer:
+        if not outer_due:  # the inner scope's expiry
+            # The outer scope falls due while the listener runs, however late a loaded
+            # machine entered the inner scope or interrupted it.
+            outer.reschedule(0.1)
             outer_due.append(outer.deadline + 0.01)
+            busy(10)
+
+    with pytest.raises(et.ScopeExpired, match="outer'"):
+        with et.expires(30, scope="outer") as outer:
             scopes.expiry_listeners.append(slow_listener)
             try:
-                with pytest.raises(et.ScopeExpired, match="inner"):
-                    with et.expires(0.1, scope="inner"):
-                        time.sleep(5)
+                with et.expires(0.1, scope="inner"):
+                    time.sleep(5)
+            except et.ScopeExpired as exc:
+                # Due before the inner one's exception left the handler, the outer
+                # scope is credited in its place (the outermost expired one).
+                if exc.scope == outer.path:
+                    raise
             finally:
                 scopes.expiry_listeners.remove(slow_listener)
             time.sleep(5)
@@ -1477,11 +1485,12 @@ def test_an_interrupt_that_comes_while_the_expiry_listeners_run_is_not_lost(
     session = run(pytester)
     session.assert_clean()
     session.result.assert_outcomes(passed=1)
-    assert session.seconds < 4, session.stdout
-    assert {r["scope"] for r in session.report["expired"]} >= {
-        "test_nested::call/outer",
-        "test_nested::call/outer/inner",
-    }
+    assert session.record("test_nested::call/outer/inner")["action"] == "interrupted"
+    # Interrupted well inside its grace (2s): not by the escalation at its end. (The
+    # whole session's time would count the interpreters' start-up too.)
+    outer = session.record("test_nested::call/outer")
+    assert outer["action"] == "interrupted"
+    assert outer["elapsed"] < outer["budget"] + 1, session.stdout
 
 
 PENDING_SIGNAL_TEST = """
