@@ -4,6 +4,7 @@ watchdog writes when pytest was killed."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import re
@@ -1004,10 +1005,12 @@ def test_ci_outputs_raise_no_warning_under_strict_settings(
     that the slow phases' module was imported already (the session failed, and its
     JUnit file was the watchdog's fallback)."""
     github(monkeypatch, pytester.path)
-    # (pytest-asyncio, loaded in these runs, warns where its loop scope is unset)
-    pytester.makeini(
-        "[pytest]\nfilterwarnings = error\nasyncio_default_fixture_loop_scope = function\n"
-    )
+    # pytest-asyncio, loaded in these runs, warns where its loop scope is unset (from
+    # 0.24 on); an older one, as goes with pytest 8.0, warns of the option, unknown to it.
+    version = importlib.metadata.version("pytest-asyncio").split(".")
+    knows_loop_scope = tuple(int(n) for n in version[:2] if n.isdigit()) >= (0, 24)
+    loop_scope = "asyncio_default_fixture_loop_scope = function\n" if knows_loop_scope else ""
+    pytester.makeini(f"[pytest]\nfilterwarnings = error\n{loop_scope}")
     pytester.makepyfile(
         test_ok="import pytest\n\n@pytest.mark.expires(20)\ndef test_ok():\n    pass\n"
     )

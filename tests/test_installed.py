@@ -1587,6 +1587,8 @@ def test_a_hang_with_the_file_system_faked(fs):
             os.times()
 
 
+# Python 3.12+ warns of a fork in a process with threads (an xdist worker's own).
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_a_forked_child_with_the_file_system_faked(fs):
     # A bare fork: multiprocessing's own pipes do not survive a faked file system.
     pid = os.fork()
