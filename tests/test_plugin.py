@@ -21,6 +21,7 @@ from helpers import (
     HEADER,
     LEAN,
     REPORT_NAME,
+    Session,
     run,
     scope_line,
     top_level_environment,
@@ -1476,15 +1477,21 @@ def test_nested():
 """
 
 
+def run_one_passing_test(pytester: pytest.Pytester, **files: str) -> Session:
+    """The inner session of the test file(s) ``files``: clean, and its one test passed."""
+    pytester.makepyfile(**files)
+    session = run(pytester)
+    session.assert_clean()
+    session.result.assert_outcomes(passed=1)
+    return session
+
+
 def test_an_interrupt_that_comes_while_the_expiry_listeners_run_is_not_lost(
     pytester: pytest.Pytester,
 ) -> None:
     # Raised inside a listener, the enclosing scope's ScopeExpired would end in the
     # listener's error handling: the interrupt is sent again once they are done.
-    pytester.makepyfile(test_nested=SLOW_LISTENER_TEST)
-    session = run(pytester)
-    session.assert_clean()
-    session.result.assert_outcomes(passed=1)
+    session = run_one_passing_test(pytester, test_nested=SLOW_LISTENER_TEST)
     assert session.record("test_nested::call/outer/inner")["action"] == "interrupted"
     # Interrupted well inside its grace (2s): not by the escalation at its end. (The
     # whole session's time would count the interpreters' start-up too.)
@@ -1537,10 +1544,7 @@ def test_an_interrupt_that_only_marks_the_handler_due_is_sent_again(
     # The package's thread that interrupts the main thread sends the signal again until
     # the handler has run: the one that came just before a blocking call did not break
     # it, and the scope was terminated at the end of its grace.
-    pytester.makepyfile(test_pending=PENDING_SIGNAL_TEST)
-    session = run(pytester)
-    session.assert_clean()
-    session.result.assert_outcomes(passed=1)
+    session = run_one_passing_test(pytester, test_pending=PENDING_SIGNAL_TEST)
     assert session.record("test_pending::call/step")["action"] == "interrupted"
 
 

@@ -854,6 +854,24 @@ def pytest_{hook}(session):
         {hang}
 """
 TWO_TESTS = "def test_a():\n    pass\n\n\ndef test_b():\n    pass\n"
+# The same hook, hanging in the one process of a session without xdist.
+SESSION_HOOK_HANGS = WORKER_SESSION_HOOK_HANGS.replace(' == "gw1"', " is None")
+
+
+def run_past_the_session_budget(
+    pytester: pytest.Pytester, conftest: str, *, xdist: bool = False
+) -> Session:
+    """The two tests under ``conftest``, one of whose hooks holds the session past its
+    budget (3s with xdist, 1.5s without): the session ends clean, interrupted (status 2)."""
+    pytester.makeconftest(conftest)
+    pytester.makepyfile(test_s=TWO_TESTS)
+    if xdist:
+        session = run_xdist(pytester, GRACE, "--expires-session=3")
+    else:
+        session = run(pytester, "--expires-session=1.5")
+    session.assert_clean()
+    assert session.result.ret == pytest.ExitCode.INTERRUPTED, session.text
+    return session
 
 
 @pytest.mark.parametrize("hook", ["sessionstart", "sessionfinish"])
@@ -871,11 +889,9 @@ def test_a_worker_stuck_in_a_session_hook_stops_the_session_with_its_scope_line(
     sessionfinish). Out of a C call, gw1 is ended; its replacement runs the conftest's
     hook again, and may hang in it too before the session ends: the controller's own
     budget bounds that."""
-    pytester.makeconftest(WORKER_SESSION_HOOK_HANGS.format(hook=hook, hang=hang))
-    pytester.makepyfile(test_s=TWO_TESTS)
-    session = run_xdist(pytester, GRACE, "--expires-session=3")
-    session.assert_clean()
-    assert session.result.ret == pytest.ExitCode.INTERRUPTED, session.text
+    session = run_past_the_session_budget(
+        pytester, WORKER_SESSION_HOOK_HANGS.format(hook=hook, hang=hang), xdist=True
+    )
     assert "INTERNALERROR" not in session.text and "Traceback" not in session.text
     if hook == "sessionstart":
         session.result.assert_outcomes()
@@ -1009,15 +1025,9 @@ def test_the_session_expiring_in_a_conftest_sessionfinish_ends_with_its_summary(
     after the tests passed. The hook is interrupted; the summary is still written
     (the exception skipped it), with the scope's line and phase, and the exit status is
     2, as when the budget stops the session during the tests (it was 0)."""
-    pytester.makeconftest(
-        WORKER_SESSION_HOOK_HANGS.replace(' == "gw1"', " is None").format(
-            hook="sessionfinish", hang="time.sleep(60)"
-        )
+    session = run_past_the_session_budget(
+        pytester, SESSION_HOOK_HANGS.format(hook="sessionfinish", hang="time.sleep(60)")
     )
-    pytester.makepyfile(test_s=TWO_TESTS)
-    session = run(pytester, "--expires-session=1.5")
-    session.assert_clean()
-    assert session.result.ret == pytest.ExitCode.INTERRUPTED, session.text
     session.result.assert_outcomes(passed=2)
     assert re.search(
         r"^Interrupted: scope 'session' expired after [\d.]+s \(budget 1.5s\): "
@@ -1040,11 +1050,9 @@ def test_the_session_expiring_in_a_conftest_unconfigure_ends_with_status_2(
     interrupted, pytest exits 2 with the scope's line (it ended with the exception's
     traceback, status 1), and the plugin still ends its session: the watchdog writes
     the report with that exit status (it said pytest had been ended)."""
-    pytester.makeconftest("import time\n\n\ndef pytest_unconfigure(config):\n    time.sleep(60)\n")
-    pytester.makepyfile(test_s=TWO_TESTS)
-    session = run(pytester, "--expires-session=1.5")
-    session.assert_clean()
-    assert session.result.ret == pytest.ExitCode.INTERRUPTED, session.text
+    session = run_past_the_session_budget(
+        pytester, "import time\n\n\ndef pytest_unconfigure(config):\n    time.sleep(60)\n"
+    )
     session.result.assert_outcomes(passed=2)
     assert "Traceback" not in session.text and "pytest was ended" not in session.text
     assert re.search(
@@ -1067,15 +1075,9 @@ def test_the_session_expiring_in_a_conftest_sessionstart_reports_status_2(
     pytest_sessionstart. pytest stops there (no pytest_sessionfinish runs) with status
     2, and the JSON report says 2 too (it said null, as for a pytest that never
     finished)."""
-    pytester.makeconftest(
-        WORKER_SESSION_HOOK_HANGS.replace(' == "gw1"', " is None").format(
-            hook="sessionstart", hang="time.sleep(60)"
-        )
+    session = run_past_the_session_budget(
+        pytester, SESSION_HOOK_HANGS.format(hook="sessionstart", hang="time.sleep(60)")
     )
-    pytester.makepyfile(test_s=TWO_TESTS)
-    session = run(pytester, "--expires-session=1.5")
-    session.assert_clean()
-    assert session.result.ret == pytest.ExitCode.INTERRUPTED, session.text
     assert re.search(
         r"scope 'session' expired after [\d.]+s \(budget 1.5s\): "
         r"interrupted \(phase sessionstart\)",
@@ -1118,15 +1120,9 @@ def test_the_session_expiring_in_a_hook_that_catches_it_still_ends_with_status_2
     test catches it), and the report says so (it exited 0)."""
     where = 'os.environ.get("PYTEST_XDIST_WORKER") == "gw1"' if xdist else "True"
     arg = "config" if hook == "unconfigure" else "session"
-    pytester.makeconftest(CAUGHT_IN_HOOK.format(hook=hook, arg=arg, where=where))
-    pytester.makepyfile(test_s=TWO_TESTS)
-    if xdist:
-        session = run_xdist(pytester, GRACE, "--expires-session=3")
-    else:
-        session = run(pytester, "--expires-session=1.5")
-    session.assert_clean()
+    conftest = CAUGHT_IN_HOOK.format(hook=hook, arg=arg, where=where)
+    session = run_past_the_session_budget(pytester, conftest, xdist=xdist)
     assert "cleanup failed: " in session.text, session.text
-    assert session.result.ret == pytest.ExitCode.INTERRUPTED, session.text
     session.result.assert_outcomes(passed=2)
     assert re.search(
         r"Interrupted: scope 'session' expired after [\d.]+s \(budget [\d.]+s\): "
