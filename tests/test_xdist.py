@@ -849,7 +849,7 @@ import os
 import time
 
 
-def pytest_{hook}(session):
+def pytest_{hook}():
     if os.environ.get("PYTEST_XDIST_WORKER") == "gw1":
         {hang}
 """
@@ -874,21 +874,23 @@ def run_past_the_session_budget(
     return session
 
 
-@pytest.mark.parametrize("hook", ["sessionstart", "sessionfinish"])
+@pytest.mark.parametrize("hook", ["sessionstart", "sessionfinish", "unconfigure"])
 @pytest.mark.parametrize(
     "hang", ["time.sleep(60)", "sum(range(10**11))"], ids=["interruptible", "gil"]
 )
 def test_a_worker_stuck_in_a_session_hook_stops_the_session_with_its_scope_line(
     pytester: pytest.Pytester, hook: str, hang: str
 ) -> None:
-    """A conftest's pytest_sessionstart (or pytest_sessionfinish, after the tests ran)
-    hangs in gw1 past --expires-session. Interrupted, the session stops with gw1's
-    scope line and phase, as for collection: no internal error (in sessionstart, the
-    ScopeExpired ended the worker's session as an internal error of xdist), and no
-    test runs (or they keep their outcomes); exit status 2 (it was 0 after
-    sessionfinish). Out of a C call, gw1 is ended; its replacement runs the conftest's
-    hook again, and may hang in it too before the session ends: the controller's own
-    budget bounds that."""
+    """A conftest's pytest_sessionstart (or pytest_sessionfinish or
+    pytest_unconfigure, after the tests ran) hangs in gw1 past --expires-session.
+    Interrupted, the session stops with gw1's scope line and phase, as for collection:
+    no internal error (in sessionstart, the ScopeExpired ended the worker's session as
+    an internal error of xdist), and no test runs (or they keep their outcomes); exit
+    status 2 (it was 0 after sessionfinish and unconfigure: in unconfigure the worker
+    has handed over its results, and the controller learns of it from the watchdog's
+    record once the worker has ended). Out of a C call, gw1 is ended; after
+    sessionstart its replacement runs the conftest's hook again, and may hang in it
+    too before the session ends: the controller's own budget bounds that."""
     session = run_past_the_session_budget(
         pytester, WORKER_SESSION_HOOK_HANGS.format(hook=hook, hang=hang), xdist=True
     )
@@ -1057,7 +1059,7 @@ def test_the_session_expiring_in_a_conftest_unconfigure_ends_with_status_2(
     assert "Traceback" not in session.text and "pytest was ended" not in session.text
     assert re.search(
         r"^Interrupted: scope 'session' expired after [\d.]+s \(budget 1.5s\): "
-        r"interrupted \(phase sessionfinish\)$",
+        r"interrupted \(phase unconfigure\)$",
         session.text,
         re.MULTILINE,
     ), session.text
@@ -1107,8 +1109,13 @@ def pytest_{hook}({arg}):
 
 @pytest.mark.parametrize(
     ("hook", "xdist"),
-    [("sessionfinish", False), ("unconfigure", False), ("sessionfinish", True)],
-    ids=["sessionfinish", "unconfigure", "sessionfinish-xdist"],
+    [
+        ("sessionfinish", False),
+        ("unconfigure", False),
+        ("sessionfinish", True),
+        ("unconfigure", True),
+    ],
+    ids=["sessionfinish", "unconfigure", "sessionfinish-xdist", "unconfigure-xdist"],
 )
 def test_the_session_expiring_in_a_hook_that_catches_it_still_ends_with_status_2(
     pytester: pytest.Pytester, hook: str, xdist: bool
@@ -1126,7 +1133,7 @@ def test_the_session_expiring_in_a_hook_that_catches_it_still_ends_with_status_2
     session.result.assert_outcomes(passed=2)
     assert re.search(
         r"Interrupted: scope 'session' expired after [\d.]+s \(budget [\d.]+s\): "
-        rf"interrupted \(phase sessionfinish{', gw1' if xdist else ''}\)",
+        rf"interrupted \(phase {hook}{', gw1' if xdist else ''}\)",
         session.text,
     ), session.text
     assert session.report is not None

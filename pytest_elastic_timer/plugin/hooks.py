@@ -275,6 +275,8 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     state = config.stash.get(SESSION, None)
     if state is None:
         return
+    if state.stopped_at_a_worker_end:
+        terminalreporter.write_line(f"Interrupted: {state.stopped_at_a_worker_end}")
     if state.lost_watchdog:
         terminalreporter.section("elastic-timer: watchdog lost", sep="=", red=True)
         terminalreporter.write_line(state.lost_watchdog, red=True)
@@ -359,6 +361,9 @@ def _restart_limit_line(
 def pytest_unconfigure(config: pytest.Config) -> Generator[None, object, object]:
     state = config.stash.get(SESSION, None)
     before = state is not None and lifecycle.session_budget_ran_out(state)
+    process = scopes.current_state()
+    if state is not None and process is not None and not state.has_no_session_of_its_own:
+        process.set_phase("unconfigure")
     try:
         result = yield
     except BaseException as exc:

@@ -446,8 +446,23 @@ def stopped_in_unconfigure(config: pytest.Config, exc: BaseException | None, bef
     ):
         return False
     _interrupted(state)
-    sys.stderr.write(f"Interrupted: {state.stop_reason}\n")
+    if not is_worker(config) or state.other_host:
+        # A worker on the controller's host is not heard: its controller, which finds
+        # the watchdog's record once the worker has ended, says it (see
+        # stopped_by_a_worker_at_its_end).
+        sys.stderr.write(f"Interrupted: {state.stop_reason}\n")
     return True
+
+
+def stopped_by_a_worker_at_its_end(
+    session: pytest.Session, state: SessionState, reason: str
+) -> None:
+    """The session's budget ran out in an xdist worker after the worker had finished
+    its session and handed over its results (in a conftest's ``pytest_unconfigure``):
+    the controller learns it from the watchdog's record once the worker has ended, and
+    the session ends as one its budget stopped; the summary says why."""
+    state.stop_reason = state.stopped_at_a_worker_end = reason
+    _interrupted(state)
 
 
 def _interrupted(state: SessionState) -> None:

@@ -56,6 +56,9 @@ class SessionState:
         self.children_before: set[int] = set()  # this process's, at start
         self.session_scope: TimerRequest | None = None
         self.stop_reason = ""  # why the session stopped, if its budget ran out
+        # The same, where it ran out in an xdist worker at the worker's very end, after
+        # its results (controller): the summary's first line says it.
+        self.stopped_at_a_worker_end = ""
         # The watchdog's torch file-timer FIFO, which a test's torch agent may take over.
         self.torch_timer_file: TorchTimerFile | None = None
         self.session: pytest.Session | None = None

@@ -30,6 +30,7 @@ from pytest_elastic_timer.plugin.lifecycle import SESSION_SCOPE
 from pytest_elastic_timer.plugin.state import (
     SESSION,
     SessionState,
+    expiry_records,
     is_worker,
     record_text,
     records_beside,
@@ -459,10 +460,31 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         session.shouldfail = str(stopped)
 
 
+# trylast: in the controller, after xdist's own hook, which waits for the workers to end.
+@pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """A worker hands its tests' budgets that differ from the default (markers) to the
-    controller, with the rest of its output."""
-    output = getattr(session.config, "workeroutput", None)
-    state = session.config.stash.get(SESSION, None)
-    if output is not None and state is not None and is_worker(session.config):
-        output[BUDGETS_KEY] = state.budgets.marked()
+    controller, with the rest of its output. The controller, its workers ended, stops
+    the session for the session's budget run out in a worker after the worker had
+    handed over its output (in a conftest's ``pytest_unconfigure``): nothing else says
+    so, and the tests had all finished."""
+    config = session.config
+    state = config.stash.get(SESSION, None)
+    if state is None:
+        return
+    output = getattr(config, "workeroutput", None)
+    if is_worker(config):
+        if output is not None:
+            output[BUDGETS_KEY] = state.budgets.marked()
+        return
+    if (
+        not state.settings.session
+        or state.watchdog is None
+        or getattr(session, "exitstatus", 0) == pytest.ExitCode.INTERRUPTED
+    ):
+        return
+    ran_out = [r for r in expiry_records(config) if r.scope == SESSION_SCOPE and r.worker]
+    if ran_out:
+        record = ran_out[0]
+        reason = lifecycle.session_stop_reason(record.line_text(), record.phase, record.worker)
+        lifecycle.stopped_by_a_worker_at_its_end(session, state, reason)
