@@ -1075,7 +1075,8 @@ def pytest_elastic_timer_terminal_summary(config, terminalreporter, records, ses
 
 
 def pytest_elastic_timer_session_end(config, records, session):
-    return {"from_conftest": [r.scope for r in records]}
+    budget = session.budget_of("test_hooks.py::test_stuck", "call")
+    return {"from_conftest": [r.scope for r in records], "budget_at_end": budget}
 """
 HOOKS_TESTS = """
 import time
@@ -1103,6 +1104,8 @@ def test_a_conftest_implements_the_plugins_hooks(pytester: pytest.Pytester) -> N
     assert "SUMMARY 1 ['test_hooks.py::test_stuck']" in session.lines
     assert session.report is not None
     assert session.report["session"]["from_conftest"] == ["test_stuck::call"]
+    # The tests' budgets, as the summary hook is given them (it was None here).
+    assert session.report["session"]["budget_at_end"] == 0.3
 
 
 MODULES_CONFTEST = """

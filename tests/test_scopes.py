@@ -168,6 +168,11 @@ def test_budget_is_the_budget_entered(after: float) -> None:
         assert timer.budget == round(after * _scale(), 9)
         timer.extend(0.2)
         assert timer.budget == round((after + 0.2) * _scale(), 9)
+    # Left, it keeps its last run's budget and deadline (they read ``after`` again).
+    assert timer.budget == round((after + 0.2) * _scale(), 9)
+    assert timer.expires() == pytest.approx(timer.deadline - time.monotonic(), abs=0.05)
+    timer.extend(1)  # left: as before entering, a move changes ``after``
+    assert timer.budget == timer.expires() == after + 1
 
 
 def test_acquire_release_and_expires() -> None:

@@ -381,7 +381,6 @@ def _end_the_session(config: pytest.Config) -> None:
     state = config.stash.get(SESSION, None)
     if state is None:
         return
-    state.budgets.clear()
     if state.expiry_listener in scopes.expiry_listeners:
         scopes.expiry_listeners.remove(state.expiry_listener)
     lifecycle.leave_session_scope(state)
@@ -406,6 +405,8 @@ def _end_the_session(config: pytest.Config) -> None:
         if not state.watchdog.alive() and state.settings.report:
             lifecycle.report_without_watchdog(config, state, end)
         lifecycle.stop_watchdog(config, state, end)
+    # Not before: the session's end hooks are given the tests' budgets.
+    state.budgets.clear()
     lifecycle.restore_environment(state)
     if state.watching_torch:
         torch_hook.unwatch()

@@ -435,6 +435,7 @@ class TimerRequest:
         not entered yet is entered without a deadline."""
         if self._state is None:
             self.after = None
+            self._start = 0.0  # as one not entered yet: expires() and budget say after
             return
         self._cancelled = True
         self._deadline = _INF
@@ -450,6 +451,7 @@ class TimerRequest:
         state = self._state
         if state is None:
             self.after = seconds
+            self._start = 0.0
             return
         self._set_deadline(monotonic() + seconds * state.scale)
 
@@ -459,6 +461,7 @@ class TimerRequest:
         state = self._state
         if state is None:
             self.after = (self.after or 0.0) + more
+            self._start = 0.0
             return
         self._set_deadline(self._deadline + more * state.scale)
 
@@ -492,8 +495,10 @@ class TimerRequest:
 
     # -- asking -------------------------------------------------------------------
     def expires(self) -> float:
-        """Seconds left before the deadline (``inf`` without one, negative if past)."""
-        if self._state is None:
+        """Seconds left before the deadline (``inf`` without one, negative if past).
+        Before the scope is first entered, ``after``; once left, to the deadline of
+        its last run."""
+        if self._state is None and not self._start:  # never entered
             return _INF if self.after is None else float(self.after)
         return self._deadline - monotonic()
 
@@ -508,8 +513,10 @@ class TimerRequest:
 
     @property
     def budget(self) -> float:
-        """The scaled budget in seconds as entered (``inf`` without a deadline)."""
-        if self._state is None:
+        """The scaled budget in seconds as entered, with the deadline's moves (``inf``
+        without a deadline). Before the scope is first entered, ``after`` as given;
+        once left, its last run's."""
+        if self._state is None and not self._start:  # never entered
             return _INF if self.after is None else float(self.after)
         # Rounded to the nanosecond: a deadline minus its start is not the budget's
         # float exactly (0.3 came back as 0.30000000000001137).
