@@ -4,6 +4,10 @@ Timer scopes (``expires()``, ``TimerRequest``) are enforced by a session-scoped 
 process that lives outside every test process; the docs (``docs/`` in the source)
 describe them in full.
 
+The pytest plugin is ``elastic_timer``; loaded as a plugin by this package's name, the
+package loads it (:func:`pytest_addhooks`). PYTEST_DONT_REWRITE: pytest, asked to load
+it by name after it was imported, need not warn that it cannot rewrite its asserts.
+
 Every public name is imported on first use: a process that only enters scopes never
 loads the barriers, events and locks or torch's timer client, and the watchdog process,
 which imports its modules from this package, loads none of the scope machinery.
@@ -80,6 +84,19 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *_LAZY})
+
+
+def pytest_addhooks(pluginmanager: Any) -> None:
+    """Loaded as a pytest plugin by the package's name (``-p pytest_elastic_timer``,
+    ``pytest_plugins = ["pytest_elastic_timer"]``), the package loads the plugin,
+    ``elastic_timer``, unless it is loaded already or blocked (``-p no:elastic_timer``):
+    the package itself has no hooks, and would enforce nothing."""
+    if pluginmanager.has_plugin("elastic_timer") or pluginmanager.is_blocked("elastic_timer"):
+        return
+    from pytest_elastic_timer.plugin import hooks
+
+    if not pluginmanager.is_registered(hooks):
+        pluginmanager.register(hooks, "elastic_timer")
 
 
 __all__ = [

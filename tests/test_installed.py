@@ -75,6 +75,55 @@ def test_strict_warnings_see_nothing(
     assert result.errlines == []
 
 
+BY_PACKAGE_NAME_SUITE = """
+import time
+
+import pytest
+
+
+@pytest.mark.expires(0.3)
+def test_hangs():
+    time.sleep(30)
+"""
+
+
+@pytest.mark.parametrize(
+    ("args", "conftest", "enforced"),
+    [
+        (["-p", "pytest_elastic_timer"], "", True),
+        ([], 'pytest_plugins = ["pytest_elastic_timer"]\n', True),
+        (["-p", "elastic_timer"], 'pytest_plugins = ["pytest_elastic_timer"]\n', True),
+        (["-p", "pytest_elastic_timer", "-p", "no:elastic_timer"], "", False),
+        (["-p", "no:elastic_timer", "-p", "pytest_elastic_timer"], "", False),
+    ],
+    ids=["option", "conftest", "both", "then-blocked", "blocked-first"],
+)
+def test_the_plugin_loaded_by_the_packages_name_is_the_plugin(
+    pytester: pytest.Pytester,
+    monkeypatch: pytest.MonkeyPatch,
+    args: list[str],
+    conftest: str,
+    enforced: bool,
+) -> None:
+    """``-p pytest_elastic_timer`` or ``pytest_plugins = ["pytest_elastic_timer"]`` (the
+    package's name, as other plugins are loaded) loads the plugin ``elastic_timer``: the
+    package alone has no hooks, and the budget went unenforced, silently. With both
+    names, pytest does not warn that it cannot rewrite the package's asserts; blocked
+    (``-p no:elastic_timer``), the plugin stays out."""
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    if conftest:
+        pytester.makeconftest(conftest)
+    pytester.makepyfile(test_named=BY_PACKAGE_NAME_SUITE)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-W", "error", *args)
+    if enforced:
+        result.assert_outcomes(failed=1)
+        assert "scope 'test_hangs::call' expired" in result.stdout.str()
+        assert "Warning" not in result.stdout.str() + result.stderr.str()
+    else:  # the marker is unknown without the plugin: an error under -W error
+        result.assert_outcomes(errors=1)
+        assert "Unknown pytest.mark.expires" in result.stdout.str()
+
+
 THREAD_PER_TEST_SUITE = """
 import os
 import threading
