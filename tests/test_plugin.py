@@ -13,6 +13,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from xml.etree import ElementTree
 
 import psutil
 import pytest
@@ -2163,8 +2164,10 @@ def test_a_session_budget_that_runs_out_in_a_test_stops_the_session_there(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, inherited_worker: str
 ) -> None:
     """The session stops in the running test, as on Ctrl-C: not by a ScopeExpired,
-    which the test may catch (it is a TimeoutError). A pytest run by a test of an xdist
-    worker inherits PYTEST_XDIST_WORKER, and is no worker all the same."""
+    which the test may catch (it is a TimeoutError). The test then fails as one whose
+    own scope expired, TIMEOUT, also in the JUnit file (Exit left it with no outcome:
+    a testcase with no name, no failure). A pytest run by a test of an xdist worker
+    inherits PYTEST_XDIST_WORKER, and is no worker all the same."""
     if inherited_worker:
         monkeypatch.setenv("PYTEST_XDIST_WORKER", inherited_worker)
     else:
@@ -2185,10 +2188,19 @@ def test_a_session_budget_that_runs_out_in_a_test_stops_the_session_there(
             pass
         """
     )
-    session = run(pytester, "-rA", "--expires-session=1")
+    session = run(pytester, "-rA", "--expires-session=1", "--junitxml=junit.xml")
     session.assert_clean()
     assert session.result.ret == pytest.ExitCode.INTERRUPTED
-    session.result.assert_outcomes()  # test_long stopped in, test_next never started
+    session.result.assert_outcomes(failed=1)  # test_long, stopped; test_next never started
+    assert "TIMEOUT test_budget.py::test_long - scope 'session' expired" in session.stdout
+    suite = ElementTree.parse(pytester.path / "junit.xml").getroot().find("testsuite")
+    assert suite is not None
+    (case,) = suite.iter("testcase")
+    assert (case.get("name"), suite.get("failures")) == ("test_long", "1")
+    failure = case.find("failure")
+    assert failure is not None and failure.get("message", "").startswith("scope 'session'")
+    properties = {p.get("name"): p.get("value") for p in case.iter("property")}
+    assert properties["elastic_timer_scope"] == "session", properties
     exit_line = "! _pytest.outcomes.Exit: scope 'session' expired after"
     assert exit_line in session.stdout, session.stdout
     assert "interrupted (phase call) !" in session.stdout, session.stdout

@@ -268,6 +268,7 @@ def pytest_sessionfinish(
         # this hook for a session that never ran, which has no such attribute.
         state.exitstatus = int(exitstatus)
         lifecycle.check_watchdog(session, state)
+        lifecycle.fail_the_interrupted_test(session, state)
     return (yield)
 
 

@@ -59,6 +59,8 @@ class SessionState:
         # The same, where it ran out in an xdist worker at the worker's very end, after
         # its results (controller): the summary's first line says it.
         self.stopped_at_a_worker_end = ""
+        # (nodeid, phase) of the test the session's budget stopped (not in a worker).
+        self.interrupted_test: tuple[str, str] | None = None
         # The watchdog's torch file-timer FIFO, which a test's torch agent may take over.
         self.torch_timer_file: TorchTimerFile | None = None
         self.session: pytest.Session | None = None
