@@ -524,6 +524,111 @@ def test_trace_keeps_what_a_worker_ended_in_c_did_and_every_scope_it_was_in(
     assert [e["args"]["scope"] for e in instants if e["pid"] == inner.pid] == [inner.scope]
 
 
+# -- the expired hook's properties in the JUnit file --------------------------------------
+HOOK_PROPERTIES_CONFTEST = """
+def pytest_elastic_timer_expired(config, report, records):
+    report.user_properties.append(("hook_phase", report.when))
+    report.user_properties.append(("hook_scope", records[0].scope))
+"""
+HOOK_PROPERTIES_TESTS = """
+import time
+import pytest
+
+
+@pytest.fixture
+def stuck_setup():
+    time.sleep(30)
+
+
+@pytest.fixture
+def stuck_teardown():
+    yield
+    time.sleep(30)
+
+
+@pytest.mark.expires(0.3)
+def test_call(record_property):
+    record_property("mine", "1")
+    time.sleep(30)
+
+
+@pytest.mark.expires(5, setup=0.3)
+def test_setup(stuck_setup):
+    pass
+
+
+@pytest.mark.expires(5, teardown=0.3)
+def test_teardown(stuck_teardown):
+    pass
+
+
+@pytest.mark.expires(0.3, teardown=0.3)
+def test_both(stuck_teardown):
+    time.sleep(30)
+"""
+# A worker stuck in C, holding the GIL: the watchdog ends it, the controller reports.
+HOOK_PROPERTIES_GIL = """
+import pytest
+
+
+@pytest.mark.expires(1)
+def test_gil():
+    sum(range(10**11))
+"""
+OWN_PROPERTIES = [f"elastic_timer_{k}" for k in PROPERTIES]
+
+
+@pytest.mark.parametrize(
+    "workers", [[], [*XDIST, "--elastic-timer-grace=0.3"]], ids=["one", "xdist"]
+)
+def test_junit_has_the_properties_the_expired_hook_added(
+    pytester: pytest.Pytester, workers: list[str]
+) -> None:
+    """What an implementation of the expired hook adds to ``report.user_properties`` is
+    in the test's testcase, after the plugin's own, in the order added, each once:
+    pytest's junitxml writes only a teardown report's properties (a copy of the
+    item's), and none of a worker the watchdog ended."""
+    pytester.makeconftest(HOOK_PROPERTIES_CONFTEST)
+    pytester.makepyfile(test_p=HOOK_PROPERTIES_TESTS)
+    files = ["test_p.py"]
+    if workers:
+        pytester.makepyfile(test_gil=HOOK_PROPERTIES_GIL)
+        files.append("test_gil.py")
+    junit = pytester.path / "junit.xml"
+    session = run(pytester, *workers, f"--junitxml={junit}", *files, lean=not workers)
+    session.assert_clean()
+    session.result.assert_outcomes(failed=3 if workers else 2, passed=1, errors=3)
+    found: dict[str, list[list[tuple[str, str]]]] = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        props = case.findall("properties/property")
+        pairs = [(str(p.get("name")), str(p.get("value"))) for p in props]
+        found.setdefault(str(case.get("name")), []).append(pairs)
+
+    def hooks(when: str, scope: str) -> list[tuple[str, str]]:
+        return [("hook_phase", when), ("hook_scope", scope)]
+
+    # By test, each of its testcases: the names before the hook's, and the hook's.
+    expected = {
+        "test_call": [(["mine", *OWN_PROPERTIES], hooks("call", "test_call::call"))],
+        "test_setup": [(OWN_PROPERTIES, hooks("setup", "test_setup::setup"))],
+        "test_teardown": [(OWN_PROPERTIES, hooks("teardown", "test_teardown::teardown"))],
+        # A failed call, then a failed teardown: two testcases, each with its report's.
+        "test_both": [
+            (OWN_PROPERTIES, hooks("call", "test_both::call")),
+            (OWN_PROPERTIES, hooks("teardown", "test_both::teardown")),
+        ],
+    }
+    if workers:
+        expected["test_gil"] = [(OWN_PROPERTIES, hooks("call", "test_gil::call"))]
+    assert sorted(found) == sorted(expected)
+    for name, runs in expected.items():
+        assert len(found[name]) == len(runs), (name, found[name])
+        for pairs, (names, hook) in zip(found[name], runs, strict=True):
+            assert [n for n, _ in pairs] == [*names, "hook_phase", "hook_scope"], (name, pairs)
+            assert pairs[-2:] == hook, (name, pairs)
+    assert found["test_call"][0][0] == ("mine", "1")
+
+
 # -- kill -9 of pytest: the watchdog writes the JUnit file ------------------------------
 KILLED = """
 import time

@@ -2,9 +2,11 @@
 own, or one of a process it started (a rank) -- reads as a timeout. Once pytest's
 junitxml wrote its file, :func:`fix_junit` gives the test's ``<failure>`` (or
 ``<error>``) the type ``pytest_elastic_timer.ScopeExpired``, the scope line as message
-and first line of its text, and the scope's properties (pytest writes a call report's
-properties only in some cases, and none for a crashed xdist worker). When pytest is
-killed, the watchdog writes the file instead: :mod:`.junit_fallback`.
+and first line of its text, the scope's properties, and the properties that
+implementations of the expired hook added to the failed report. pytest writes a
+testcase's properties from one report only: the teardown's (a copy of the item's), or
+a failed call's when its teardown failed too; and none for a crashed xdist worker.
+When pytest is killed, the watchdog writes the file instead: :mod:`.junit_fallback`.
 
 Registered in the controller (or only process) of a session run with ``--junitxml``;
 it implements the plugin's hooks (:mod:`..plugin.hookspecs`).
@@ -16,6 +18,7 @@ import collections
 import os
 import sys
 import xml.etree.ElementTree as ET
+from collections.abc import Generator, Iterable
 from typing import Any
 
 import pytest
@@ -26,9 +29,34 @@ from pytest_elastic_timer.core import atomic_file
 from pytest_elastic_timer.core.records import ExpiryRecord
 
 
+class Testcase:
+    """One testcase of pytest's file, as the expired hook filled it: the expired scopes
+    of its run, and the ``(name, value)`` properties the hook's implementations added
+    to its reports, in the order added, each once."""
+
+    __slots__ = ("properties", "records")
+
+    def __init__(self) -> None:
+        self.records: list[ExpiryRecord] = []
+        self.properties: list[tuple[str, str]] = []
+
+    def add_records(self, found: Iterable[ExpiryRecord]) -> None:
+        seen = {(k.host, k.pid, k.scope) for k in self.records}
+        for record in found:
+            if (record.host, record.pid, record.scope) not in seen:
+                seen.add((record.host, record.pid, record.scope))
+                self.records.append(record)
+
+    def add_properties(self, pairs: Iterable[tuple[str, str]]) -> None:
+        for pair in pairs:
+            if pair not in self.properties:
+                self.properties.append(pair)
+
+
 class Testcases:
     """The testcases pytest's junitxml writes for each test, in its order, each with
-    the expired scopes of its run (filled by the expired hook).
+    the expired scopes of its run and the properties added to its reports (filled by
+    the expired hook).
 
     pytest's rule, followed here: a testcase per run of a test by a worker (the
     report's ``node``; None without xdist), opened by the run's first report and
@@ -37,20 +65,20 @@ class Testcases:
     only by this order."""
 
     def __init__(self) -> None:
-        self.of_test: dict[str, list[list[ExpiryRecord]]] = {}
-        self._open: dict[tuple[str, Any], list[ExpiryRecord]] = {}
+        self.of_test: dict[str, list[Testcase]] = {}
+        self._open: dict[tuple[str, Any], Testcase] = {}
         self._failed_call: set[tuple[str, Any]] = set()
 
-    def current(self, report: pytest.TestReport) -> list[ExpiryRecord]:
-        """The expired scopes of the testcase that ``report`` goes to (the expired
-        hook asks before this plugin hears of the report)."""
+    def current(self, report: pytest.TestReport) -> Testcase:
+        """The testcase that ``report`` goes to (the expired hook asks before this
+        plugin hears of the report)."""
         key = (report.nodeid, getattr(report, "node", None))
         if report.when == "teardown" and report.failed and key in self._failed_call:
             self._failed_call.discard(key)  # the teardown's error: a testcase of its own
             self._open.pop(key, None)
         run = self._open.get(key)
         if run is None:
-            run = self._open[key] = []
+            run = self._open[key] = Testcase()
             self.of_test.setdefault(report.nodeid, []).append(run)
         return run
 
@@ -79,16 +107,45 @@ def _junit_names(nodeid: str, prefix: str | None) -> tuple[str, str]:
         return junit_fallback.testcase_names(nodeid, prefix)
 
 
-def fix_junit(
-    path: str, expired: dict[str, list[list[ExpiryRecord]]], prefix: str | None = None
-) -> int:
-    """Give the testcases of ``expired`` tests in pytest's JUnit file at ``path`` the
-    ScopeExpired failure type, the scope line and the scope's properties. Returns how
-    many testcases were changed.
+def _property_value(value: str) -> str:
+    """``value`` as pytest's junitxml writes a property's (its escape, where it has one)."""
+    try:
+        from _pytest.junitxml import bin_xml_escape
 
-    ``expired`` holds, by node id, the expired scopes of each of the test's testcases
-    in the file's order (:class:`Testcases`): a test run by several workers has one
-    for each run."""
+        return bin_xml_escape(value)
+    except Exception:
+        return junit_fallback.xml_safe(value)
+
+
+def _pairs(properties: Iterable[object]) -> list[tuple[str, str]]:
+    """``user_properties`` as the name/value strings pytest writes of them."""
+    return [
+        (str(prop[0]), str(prop[1]))
+        for prop in properties
+        if isinstance(prop, (tuple, list)) and len(prop) == 2  # no file has another
+    ]
+
+
+def _added(before: list[tuple[str, str]], after: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The properties of ``after`` that ``before`` did not hold, in their order."""
+    left = collections.Counter(before)
+    new = []
+    for pair in after:
+        if left[pair]:
+            left[pair] -= 1
+        else:
+            new.append(pair)
+    return new
+
+
+def fix_junit(path: str, expired: dict[str, list[Testcase]], prefix: str | None = None) -> int:
+    """Give the testcases of ``expired`` tests in pytest's JUnit file at ``path`` the
+    ScopeExpired failure type, the scope line, the scope's properties and those the
+    expired hook's implementations added (where pytest did not write them). Returns
+    how many testcases were changed.
+
+    ``expired`` holds, by node id, each of the test's testcases in the file's order
+    (:class:`Testcases`): a test run by several workers has one for each run."""
     tree = ET.parse(path)
     wanted = {_junit_names(nodeid, prefix): runs for nodeid, runs in expired.items()}
     seen: collections.Counter[tuple[str, str]] = collections.Counter()
@@ -100,7 +157,8 @@ def fix_junit(
             continue
         index = seen[key]
         seen[key] += 1
-        found = runs[index] if index < len(runs) else []
+        run = runs[index] if index < len(runs) else Testcase()
+        found = run.records
         problems = [c for c in case if c.tag in ("failure", "error")]
         if not found or not problems:
             continue
@@ -126,6 +184,14 @@ def fix_junit(
         for name, value in junit_fallback.properties_of(first):
             if name not in have:
                 ET.SubElement(props, "property", name=name, value=junit_fallback.xml_safe(value))
+        # The hook's, after the plugin's as in the report: pytest wrote those of a
+        # failed teardown, and of a failed call whose teardown failed too; not the rest.
+        written = {(p.get("name"), p.get("value")) for p in props}
+        for name, value in run.properties:
+            pair = (name, _property_value(value))
+            if pair not in written:
+                written.add(pair)
+                ET.SubElement(props, "property", name=pair[0], value=pair[1])
     if changed:
         text = ET.tostring(tree.getroot(), encoding="unicode")
         atomic_file.write_text(path, '<?xml version="1.0" encoding="utf-8"?>' + text)
@@ -141,12 +207,16 @@ def junit_path(config: pytest.Config) -> str | None:
 
 
 # -- hooks -----------------------------------------------------------------------------
+@pytest.hookimpl(wrapper=True)  # around every implementation: sees what they all add
 def pytest_elastic_timer_expired(
     config: pytest.Config, report: pytest.TestReport, records: list[ExpiryRecord]
-) -> None:
-    known = config.stash.setdefault(TESTCASES, Testcases()).current(report)
-    seen = {(k.host, k.pid, k.scope) for k in known}
-    known.extend(r for r in records if (r.host, r.pid, r.scope) not in seen)
+) -> Generator[None, list[object], list[object]]:
+    run = config.stash.setdefault(TESTCASES, Testcases()).current(report)
+    run.add_records(records)
+    before = _pairs(report.user_properties)
+    result = yield
+    run.add_properties(_added(before, _pairs(report.user_properties)))
+    return result
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -161,7 +231,8 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     path = junit_path(config)
     testcases = config.stash.get(TESTCASES, None)
     expired = testcases.of_test if testcases is not None else {}
-    if path and any(r for runs in expired.values() for r in runs) and os.path.exists(path):
+    any_expired = any(run.records for runs in expired.values() for run in runs)
+    if path and any_expired and os.path.exists(path):
         try:
             fix_junit(path, expired, config.getoption("junitprefix", None))
         except (OSError, ET.ParseError) as exc:

@@ -46,7 +46,12 @@ def pytest_elastic_timer_expired(
     scope for which the watchdog ended its xdist worker).
 
     Called once per failed report, before pytest's own plugins (junitxml, the terminal)
-    see it, so an implementation may add ``report.user_properties``.
+    see it, so an implementation may add ``report.user_properties``. With
+    ``--junitxml`` they are in the report's testcase, after the plugin's own, in the
+    order added: pytest writes only some reports' properties (a teardown's), and the
+    plugin adds the others, leaving out any name and value the testcase has already;
+    also for an xdist worker the watchdog ended. Not in the file the watchdog writes
+    when pytest itself was killed: the hook runs in pytest.
     """
 
 
