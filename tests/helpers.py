@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -153,6 +154,34 @@ def wait_gone(pid: int, timeout: float) -> bool:
             return True
         time.sleep(0.02)
     return False
+
+
+# A test module's start: ``_rank(path)``, a process that writes its pid to ``path`` and
+# sleeps for an hour (for a test that starts ranks with multiprocessing and hangs).
+SLEEPING_RANK = """
+import multiprocessing
+import os
+import time
+
+import pytest
+
+
+def _rank(path):
+    with open(path + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.rename(path + ".tmp", path)
+    time.sleep(3600)
+"""
+
+
+def reap(pid: int) -> None:
+    """Kill ``pid`` (a process this test made sure is its own to end) and reap it if it
+    was adopted by this process (the suite's pytest is a child subreaper too)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, 0)
+    assert wait_gone(pid, 5.0)
 
 
 @dataclass

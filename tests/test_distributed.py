@@ -11,10 +11,8 @@ can find rank 0's pid in the report and prove that no rank outlived its test.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -29,9 +27,11 @@ pytest.importorskip("torch.distributed", reason="torch without torch.distributed
 
 from helpers import (
     PLAIN_CHILD_TEST,
+    SLEEPING_RANK,
     Session,
     failure_block,
     lead,
+    reap,
     run,
     scope_line,
     sections,
@@ -218,16 +218,6 @@ def record_of(session: Session, nodeid: str) -> dict[str, Any]:
     found = [r for r in session.report["expired"] if r["nodeid"] == nodeid]
     assert len(found) == 1, (nodeid, session.report["expired"])
     return found[0]
-
-
-def reap(pid: int) -> None:
-    """Kill ``pid`` (a process this test made sure is its own to end) and reap it if it
-    was adopted by this process (the suite's pytest is a child subreaper too)."""
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-    with contextlib.suppress(ChildProcessError, OSError):
-        os.waitpid(pid, 0)
-    assert wait_gone(pid, 5.0)
 
 
 # -- 2 gloo ranks, rank 0 stuck in all_reduce: three ways to time it ------------------
@@ -494,19 +484,9 @@ def test_leak_warning_as_error_fails_the_teardown(pytester: pytest.Pytester) -> 
             reap(pid)
 
 
-INTERRUPTED_SPAWN = """
-import multiprocessing
-import os
-import time
-
-import pytest
-
-
-def _rank(path):
-    with open(path + ".tmp", "w") as f:
-        f.write(str(os.getpid()))
-    os.rename(path + ".tmp", path)
-    time.sleep(3600)
+INTERRUPTED_SPAWN = (
+    SLEEPING_RANK
+    + """
 
 
 @pytest.mark.expires(1)
@@ -516,6 +496,7 @@ def test_join_cut_short():
     rank.start()
     rank.join()  # never returns: the deadline interrupts it
 """
+)
 
 
 def test_processes_of_a_test_the_plugin_interrupted_are_ended_under_warn(

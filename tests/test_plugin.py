@@ -22,7 +22,9 @@ from helpers import (
     HEADER,
     LEAN,
     REPORT_NAME,
+    SLEEPING_RANK,
     Session,
+    reap,
     run,
     scope_line,
     top_level_environment,
@@ -2404,3 +2406,55 @@ def test_a_caught_expiry_is_recorded_in_the_phase_it_expired_in(pytester: pytest
     assert session.report is not None
     phases = [(r["scope"], r["phase"]) for r in session.report["expired"] if "probe" in r["scope"]]
     assert phases == [(f"test_caught[{n}]::call/probe", "call") for n in range(3)], phases
+
+
+# -- an owner that swallowed its interrupt, waiting for processes it started ----------
+JOINS_RANKS_ONE_BY_ONE = (
+    SLEEPING_RANK
+    + """
+
+
+@pytest.mark.expires(2)
+def test_join_ranks():
+    context = multiprocessing.get_context("spawn")
+    ranks = [
+        context.Process(target=_rank, args=(os.path.abspath(f"rank{r}.pid"),)) for r in range(3)
+    ]
+    for rank in ranks:
+        rank.start()
+    for rank in ranks:
+        rank.join()  # multiprocessing takes the ScopeExpired for an OSError, and goes on
+
+
+def test_after():
+    pass
+"""
+)
+
+
+@pytest.mark.parametrize("workers", [[], ["-p", "xdist", "-n", "1"]], ids=["one", "xdist"])
+def test_a_test_joining_its_ranks_one_by_one_fails_and_the_session_goes_on(
+    pytester: pytest.Pytester, workers: list[str]
+) -> None:
+    """The interrupt reaches ``Process.join()``, whose wait takes the ScopeExpired for
+    an OSError (a TimeoutError is one) and returns; the next join waits again. After the
+    grace the owner, asleep, is not terminated with its ranks (pytest itself, without
+    xdist: the session ended there, exit 143; the worker, replaced): the ranks end first,
+    the owner is interrupted again and its test fails by its scope, and the next test
+    runs. multiprocessing's resource tracker is no rank, and is left running."""
+    pytester.makepyfile(test_join=JOINS_RANKS_ONE_BY_ONE)
+    session = run(pytester, "--elastic-timer-grace=1", *workers)
+    pids = [int((pytester.path / f"rank{r}.pid").read_text()) for r in range(3)]
+    try:
+        session.assert_clean()
+        session.result.assert_outcomes(failed=1, passed=1)
+        assert session.result.ret == pytest.ExitCode.TESTS_FAILED, session.text
+        assert "replacing crashed worker" not in session.text, session.text
+        record = session.record("test_join_ranks::call")
+        assert record["action"] == "interrupted", record
+        assert sorted(p["pid"] for p in record["killed"]) == sorted(pids), record
+        assert not session.report.get("root_died"), session.report
+        assert all(wait_gone(pid, 5.0) for pid in pids), "a rank outlived its test"
+    finally:
+        for pid in pids:
+            reap(pid)

@@ -231,8 +231,6 @@ def pids_of(listing: bytes) -> set[int]:
     return {int(p) for p in listing.split() if p.isdigit()}
 
 
-# Helpers multiprocessing starts once and keeps for the life of the process: not leaks.
-_SERVICES = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
 # The watchdog of a pytest session the test ran (pytester's runpytest_subprocess, say)
 # whose pytest ended through os._exit or a kill: the subreaper adopted it. It is this
 # plugin's own machinery, not the test's leak, and it ends by itself within a second
@@ -246,6 +244,8 @@ def is_service(pid: int) -> bool:
     watchdog of a pytest session run inside the test, left to end by itself."""
     import psutil
 
+    from pytest_elastic_timer.watchdog import proctree
+
     reap_adopted()
     try:
         cmdline = psutil.Process(pid).cmdline()
@@ -254,8 +254,8 @@ def is_service(pid: int) -> bool:
     if _MACHINERY in cmdline and "--root-pid" in cmdline:
         _adopted.add(pid)
         return True
-    joined = " ".join(cmdline)
-    return any(name in joined for name in _SERVICES)
+    # Multiprocessing's helpers, kept for the life of the process: not leaks.
+    return proctree.is_multiprocessing_service(cmdline)
 
 
 def reap_adopted() -> None:

@@ -8,7 +8,9 @@
 3. terminate -- SIGTERM (and SIGCONT) to the owner's process tree, children first,
    SIGKILL to what survives ``kill_after``; for an adopted owner (a torch file-timer
    client), the signal its request named instead of SIGTERM, or, for a signal of 0 or
-   below, nothing: torch leaves such a process running, and so does this;
+   below, nothing: torch leaves such a process running, and so does this. An owner
+   asleep (waiting, most likely for the processes it started) has those ended first,
+   is interrupted again, and gets a moment to end the scope itself before its turn;
 4. record    -- one record per scope (:mod:`.recorder`).
 
 The ladder is a generator: each ``yield`` is the delay until its next step, and the
@@ -24,6 +26,8 @@ import signal
 from collections.abc import Callable, Generator
 from typing import Any
 
+import psutil
+
 from pytest_elastic_timer.core import records
 from pytest_elastic_timer.core import table as tbl
 from pytest_elastic_timer.watchdog import proctree
@@ -38,6 +42,9 @@ KILLED_PATIENCE = 2.0  # how long SIGKILLed processes may take to go
 # How long the report of an interrupt given on the owner's channel may follow the
 # scope's end: the owner sends it after the (asynchronous) exception, not before.
 REPORT_PATIENCE = 1.0
+# How long an owner that was waiting has, once the processes below it are ended, to end
+# its expired scope itself (at most its grace).
+OWNER_AFTER_CHILDREN = 1.0
 
 
 class Ladder:
@@ -154,32 +161,63 @@ class Ladder:
             return
         # Zombies left out: nothing to end, and nothing the owner runs now.
         tree = proctree.alive(proctree.tree_of(owner.proc, {os.getpid()}))
+        below = [p for p in tree if p.pid != owner.pid]
         if not expiry.children:
-            expiry.children = [proctree.describe(p) for p in tree if p.pid != owner.pid]
-        ended = [proctree.describe(p) for p in tree]
+            expiry.children = [proctree.describe(p) for p in below]
+        ended_first: list[dict[str, Any]] = []
+        patience = min(expiry.grace, OWNER_AFTER_CHILDREN)
+        waited_for = [
+            p for p in below if not proctree.is_multiprocessing_service(proctree.cmdline_of(p))
+        ]
+        if not signum and waited_for and patience > 0 and proctree.waiting(owner.proc):
+            # Interrupted, and asleep all the same: it waits, most likely for the
+            # processes it started (ranks it joins one by one: multiprocessing takes
+            # the ScopeExpired in waitpid for an OSError, and joins the next). Those
+            # end first; the owner, woken and interrupted again, may still end its
+            # test itself, and its session goes on.
+            ended_first = [proctree.describe(p) for p in waited_for]
+            yield from self._end(waited_for, signal.SIGTERM)
+            owner.interrupt()
+            give_up = self.clock() + patience
+            while not closed(owner, expiry) and self.clock() < give_up:
+                yield CHECK_EVERY
+            if closed(owner, expiry):
+                self.read_pending(owner)  # its report may be in flight
+                if not expiry.recorded or expiry.report is not None:
+                    self.record(owner, expiry, "interrupted", stack, ended_first)
+                forget(owner, expiry)
+                return
+            tree = proctree.alive(proctree.tree_of(owner.proc, {os.getpid()}))
+        ended = ended_first + [proctree.describe(p) for p in tree]
         if owner.pid == self.root_pid:
             # Ending pytest itself: whoever waits for it must find the report and the
             # summary the moment it is gone, so they come first (and again, final, later).
             self.record(owner, expiry, "terminated", stack, ended, final=False)
             self.ending_root()
-        proctree.send(tree, signum or signal.SIGTERM)
+        killed = yield from self._end(tree, signum or signal.SIGTERM)
+        action = "killed" if signum == signal.SIGKILL or owner.proc in killed else "terminated"
+        unkillable = [proctree.describe(p) for p in proctree.alive(tree)]
+        record = self.record(owner, expiry, action, stack, ended)
+        if unkillable:
+            record.stack += f"\n(still alive after SIGKILL: {unkillable})"
+
+    def _end(
+        self, tree: list[psutil.Process], signum: int
+    ) -> Generator[float, None, list[psutil.Process]]:
+        """``signum`` to ``tree``, SIGKILL to what survives ``kill_after``: returns the
+        processes that had to be killed."""
+        proctree.send(tree, signum)
         proctree.send(tree, signal.SIGCONT)  # a stopped process acts on SIGTERM once it runs
         give_up = self.clock() + self.kill_after
         while proctree.alive(tree) and self.clock() < give_up:
             yield GONE_CHECK
         survivors = proctree.alive(tree)
-        action = "killed" if signum == signal.SIGKILL else "terminated"
         if survivors:
             proctree.send(survivors, signal.SIGKILL)
-            if owner.proc in survivors:
-                action = "killed"
             give_up = self.clock() + KILLED_PATIENCE
             while proctree.alive(survivors) and self.clock() < give_up:
                 yield GONE_CHECK
-        unkillable = [proctree.describe(p) for p in proctree.alive(tree)]
-        record = self.record(owner, expiry, action, stack, ended)
-        if unkillable:
-            record.stack += f"\n(still alive after SIGKILL: {unkillable})"
+        return survivors
 
     def record(
         self,

@@ -158,6 +158,34 @@ def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
     return out
 
 
+# Helpers multiprocessing starts once and keeps for the life of the process that uses
+# it: none of them is a process a test started and waits for.
+MULTIPROCESSING_SERVICES = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+
+
+def is_multiprocessing_service(cmdline: list[str]) -> bool:
+    """Whether ``cmdline`` runs one of :data:`MULTIPROCESSING_SERVICES`."""
+    joined = " ".join(cmdline)
+    return any(name in joined for name in MULTIPROCESSING_SERVICES)
+
+
+def cmdline_of(proc: psutil.Process) -> list[str]:
+    """``proc``'s command line ([] if gone or unreadable)."""
+    try:
+        return proc.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return []
+
+
+def waiting(proc: psutil.Process) -> bool:
+    """Whether ``proc``'s main thread sleeps (in a system call: a wait, a read), rather
+    than runs (a C loop holding the GIL) or is gone."""
+    try:
+        return proc.status() in (psutil.STATUS_SLEEPING, psutil.STATUS_DISK_SLEEP)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
 def _signal(proc: psutil.Process, signum: int) -> None:
     try:
         # is_running() compares the start time: a pid reused meanwhile is not signalled.
