@@ -2458,3 +2458,54 @@ def test_a_test_joining_its_ranks_one_by_one_fails_and_the_session_goes_on(
     finally:
         for pid in pids:
             reap(pid)
+
+
+CHILDREN_WITHOUT_THE_HOOK = """
+import os
+import subprocess
+import sys
+
+import pytest
+
+SLEEPER = "import time; time.sleep(3600)"
+
+
+@pytest.mark.expires(1)
+def test_children():
+    replaced = dict(os.environ, PYTHONPATH=os.path.abspath("src"))  # not the session's
+    children = [
+        subprocess.Popen([sys.executable, "-c", SLEEPER], env=replaced),
+        subprocess.Popen([sys.executable, "-c", SLEEPER]),
+        subprocess.Popen(["sleep", "3600"]),
+    ]
+    with open("children.pid", "w") as f:
+        f.write(" ".join(str(c.pid) for c in children))
+    try:
+        children[0].wait()
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+"""
+
+
+def test_a_python_child_without_the_sessions_pythonpath_is_said_to_have_no_stack(
+    pytester: pytest.Pytester,
+) -> None:
+    """A Python child whose environment replaced PYTHONPATH runs without the session's
+    start-up hook: no stack, no collectives, and it was listed like any other process
+    without one. Its entry and the failing test now say why; a child that kept the
+    session's PYTHONPATH has its stack, a process that is not Python neither."""
+    pytester.makepyfile(test_children=CHILDREN_WITHOUT_THE_HOOK)
+    session = run(pytester)
+    session.assert_clean()
+    session.result.assert_outcomes(failed=1)
+    replaced, kept, other = map(int, (pytester.path / "children.pid").read_text().split())
+    children = {c["pid"]: c for c in session.record("test_children::call")["children"]}
+    assert "PYTHONPATH lacks the session's start-up directory" in children[replaced]["no_stack"]
+    assert "stack" not in children[replaced], children
+    assert '<string>", line 1' in children[kept]["stack"] and "no_stack" not in children[kept]
+    assert "stack" not in children[other] and "no_stack" not in children[other], children
+    assert f"elastic-timer: no stack of pid {replaced}" in session.stdout, session.stdout
+    assert f"elastic-timer: stack of pid {kept} at expiry" in session.stdout, session.stdout
+    assert all(wait_gone(pid, 5.0) for pid in (replaced, kept, other))

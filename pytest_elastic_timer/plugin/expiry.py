@@ -256,17 +256,21 @@ def _add_process_sections(item: pytest.Item, report: pytest.TestReport) -> None:
             line = collectives.collective_line(record.collective, record.rank_stacks())
             report.sections.append(("elastic-timer: collective", line))
         for child in [*record.children, *record.peers]:
+            # (on another host, the pid is that host's)
+            host = f"host {record.host}" if record.host else ""
+            who = ", ".join(
+                str(x) for x in (child.get("label"), f"pid {child.get('pid')}", host) if x
+            )
             if child.get("stack"):
-                # (on another host, the pid is that host's)
-                host = f"host {record.host}" if record.host else ""
-                who = ", ".join(
-                    str(x) for x in (child.get("label"), f"pid {child.get('pid')}", host) if x
-                )
                 report.sections.append(
                     (
                         f"elastic-timer: stack of {who} at expiry",
                         stack_text(item.config, str(child["stack"])),
                     )
+                )
+            elif child.get("no_stack"):
+                report.sections.append(
+                    (f"elastic-timer: no stack of {who}", str(child["no_stack"]))
                 )
 
 

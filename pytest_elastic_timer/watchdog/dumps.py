@@ -113,6 +113,9 @@ class Dumper:
         for proc, (path, offset, blocks) in zip(processes, paths, strict=True):
             info = proctree.describe(proc)
             info["label"] = proctree.label_of(proc)
+            why = "" if path else _why_no_stack(proc)
+            if why:
+                info["no_stack"] = why
             dump = ChildDump(info, path, offset, proc.pid, signum, blocks, peer)
             asked.dumps.append(dump)
             if path:
@@ -222,6 +225,24 @@ class AskedDumps:
                 info["stack"] = read_from(dump.path, dump.offset, dump.end)
             out.append(info)
         return out
+
+
+def _why_no_stack(proc: psutil.Process) -> str:
+    """Why a Python process below an owner has no handler for the session's dump
+    signal ("" for one that is not Python: none is expected of it)."""
+    cmdline = proctree.cmdline_of(proc)
+    if not cmdline or not os.path.basename(cmdline[0]).startswith("python"):
+        return ""
+    try:
+        path = proc.environ().get("PYTHONPATH", "")
+    except psutil.Error:
+        path = None
+    if path is not None and startup.PYTHONPATH_DIRECTORY not in path.split(os.pathsep):
+        return (
+            "its PYTHONPATH lacks the session's start-up directory (an environment built "
+            "without os.environ's PYTHONPATH?): no stack, and no collectives recorded"
+        )
+    return "it does not handle the session's dump signal (it replaced the handler?)"
 
 
 def read_from(path: str, offset: int, end: int | None = None) -> str:
