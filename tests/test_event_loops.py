@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-from helpers import Session, failure_block, lead, run, scope_line
+from helpers import Session, lead, run, scope_line
 
 HAS_TRIO = importlib.util.find_spec("trio") is not None
 HAS_ANYIO = importlib.util.find_spec("anyio") is not None
@@ -242,49 +242,4 @@ def test_a_marker_budget_cancels_the_task_of_an_async_test(
         assert record["action"] == "interrupted" and record["elapsed"] < 5, record
     assert session.report is not None and not session.report["session"]["root_died"]
     assert "terminated" not in session.text and "pytest was ended" not in session.text
-    session.assert_clean()
-
-
-# An async fixture whose scope, around its yield, is kept for the test it serves.
-ASYNC_FIXTURE_LIFE = """
-import asyncio
-
-import pytest
-import pytest_asyncio
-import pytest_elastic_timer as et
-
-
-@pytest_asyncio.fixture
-async def cluster():
-    with et.expires(0.5, scope="fixture-life"):
-        yield
-
-
-@pytest.mark.asyncio
-async def test_waits(cluster):
-    await asyncio.sleep(3)  # the test's wait
-
-
-@pytest.mark.asyncio
-async def test_after(cluster):
-    await asyncio.sleep(0.01)
-"""
-
-
-@pytest.mark.skipif(not HAS_PYTEST_ASYNCIO, reason="needs pytest-asyncio")
-def test_an_async_fixtures_scope_cancels_the_task_of_the_test_it_serves(
-    pytester: pytest.Pytester,
-) -> None:
-    """The scope an async fixture yields inside stays enforced in the test's call, and
-    its expiry cancels the async test's task at its await (as the call's own budget
-    does), not the event loop wherever it is; the next test of the loop passes."""
-    pytester.makeini("[pytest]\nasyncio_default_fixture_loop_scope = function\n")
-    pytester.makepyfile(test_async_life=ASYNC_FIXTURE_LIFE)
-    session = run(pytester, "-p", "no:cacheprovider", "-p", "no:randomly", lean=False)
-    session.result.assert_outcomes(passed=1, failed=1)
-    assert scope_line("test_waits::setup/fixture-life", "0.5").match(lead(session, "test_waits"))
-    assert session.record("test_waits::setup/fixture-life")["action"] == "interrupted"
-    block = failure_block(session, "test_waits")
-    assert "the test's wait" in block and "select" not in block, block
-    assert "RuntimeWarning" not in session.text
     session.assert_clean()

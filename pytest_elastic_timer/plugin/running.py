@@ -127,9 +127,6 @@ class RunningTest:
         self.process.set_test(self.nodeid, self.name, *self.definition)
         self.children: bytes | None = None  # this process's children when the call began
         self.call_scope: TimerRequest | None = None
-        # The scopes its setup left open (a fixture's around its yield), kept open and
-        # enforced until the test ends (scopes.lift_above).
-        self.lifted: list[TimerRequest] = []
         self.tracing = self.process.trace is not None
         self.started = 0.0  # when the phase began, for the trace timeline (when tracing)
         self.when = ""
@@ -139,8 +136,7 @@ class RunningTest:
 
     def switch(self, when: str, *, named: bool = True) -> None:
         """The phase ``when`` begins (once): the phase before it is traced, the table
-        names the new one, and scopes the phase before left open are closed, or, left
-        open by the setup, kept for the rest of the test (:meth:`lift`).
+        names the new one, and scopes the phase before left open are closed.
         ``named``: no scope of its own names the phase, the stack's prefix does."""
         __tracebackhide__ = True  # a warning made an error: the user's, not ours
         ending = self.stack.prefix
@@ -148,38 +144,11 @@ class RunningTest:
         if self.when != when:
             if self.tracing:
                 self._trace_phase(ending)
-            was, self.when = self.when, when
+            self.when = when
             self.process.set_phase(when)
-            if was == "setup" and len(self.stack) > self.depth:
-                self.lifted += scopes.lift_above(self.stack, self.depth)
-            if self.lifted:
-                self.settle(held=False)
-                if when == "call":  # one that ran out between the phases fails the call
-                    scopes.raise_overdue(self.lifted)
             if len(self.stack) > self.depth:
                 # Last: its warning raises under -W error.
                 scopes.close_above(self.stack, self.depth, ending)
-
-    def lift(self, depth: int) -> None:
-        """The setup is over, inside a scope of its own: the scopes it left open on the
-        stack from ``depth`` up (a fixture's ``with`` around its ``yield``, which its
-        teardown leaves) stay open and enforced until the test ends, held until the
-        call begins (pytest reports the setup meanwhile)."""
-        self.lifted += scopes.lift_above(self.stack, depth)
-        self.settle(held=True)
-
-    def settle(self, *, held: bool) -> None:
-        """The kept scopes go into a phase (``held``: into pytest's reporting between
-        two phases, where their expiry raises nothing until the next phase). One whose
-        exception was raised is done with once its phase is over: the exception went
-        where it could, and the ``with`` it was entered in, which waits for the
-        teardown, cannot end it any sooner; the watchdog does not escalate it further."""
-        for scope in self.lifted:
-            if scope.active:
-                scope.held = held
-                if scope._delivered:
-                    scope.cancel()
-        self.lifted = [s for s in self.lifted if s.active]
 
     def finish(self) -> None:
         """After the test's teardown: its scopes are over, its leftover processes found."""
@@ -191,14 +160,9 @@ class RunningTest:
         if self.interrupted:
             self.item.stash[_INTERRUPTED] = True
         self.stack.prefix = self.outer_prefix
-        lifted, self.lifted = self.lifted, []
         try:
-            try:
-                if len(self.stack) > self.depth:
-                    scopes.close_above(self.stack, self.depth, ending)
-            finally:  # closed whatever the warning above became
-                if lifted:
-                    scopes.close_lifted(lifted, self.name)
+            if len(self.stack) > self.depth:
+                scopes.close_above(self.stack, self.depth, ending)
         finally:  # a warning made an error (-W error) is the test's; the rest still runs
             self._leave()
 
@@ -364,29 +328,17 @@ def call(item: pytest.Item) -> Generator[None, None, None]:
     running.switch("call", named=budgets.call is None)
     try:
         if budgets.call is None:
-            if not running.lifted:
-                return (yield)
-            put_back = run_coroutine_in_task_of(item, *reversed(running.lifted))
-            try:
-                return (yield)
-            finally:
-                put_back()
-                running.settle(held=True)  # pytest reports the call until the teardown
+            return (yield)
         scope = running.call_scope = scopes.enter_test_phase(
             running.phase_scope("call", budgets), running.stack
         )
-        put_back = run_coroutine_in_task_of(
-            item, scope, *(reversed(running.lifted) if running.lifted else ())
-        )
+        put_back = run_coroutine_in_task_of(item, scope)
         try:
             result = yield
         except BaseException as exc:
             put_back()
             scopes.leave_test_phase(scope, exc)
             raise
-        finally:
-            if running.lifted:
-                running.settle(held=True)  # pytest reports the call until the teardown
         put_back()
         scopes.leave_test_phase(scope, None)  # raises ScopeExpired if it overran
         return result
@@ -395,11 +347,10 @@ def call(item: pytest.Item) -> Generator[None, None, None]:
         raise
 
 
-def run_coroutine_in_task_of(item: pytest.Item, *bound: TimerRequest) -> Callable[[], None]:
+def run_coroutine_in_task_of(item: pytest.Item, scope: TimerRequest) -> Callable[[], None]:
     """A test function that is a coroutine function (run by pytest-asyncio, pytest-trio
     or anyio's plugin, which read ``item.obj`` when they run it) runs in a task that
-    the scopes ``bound`` (innermost first: the call phase's, those its setup left open)
-    cancel at their deadline
+    ``scope``, the call phase's, cancels at its deadline
     (:func:`~pytest_elastic_timer.scope.scopes.await_in_task_of`); returns the function
     that puts the test function back."""
     function = getattr(item, "obj", None)
@@ -410,10 +361,7 @@ def run_coroutine_in_task_of(item: pytest.Item, *bound: TimerRequest) -> Callabl
     @functools.wraps(function)
     async def in_task_of_the_phase(*args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
-        awaitable = function(*args, **kwargs)
-        for scope in bound:  # each awaits the one it encloses
-            awaitable = scopes.await_in_task_of(scope, awaitable)
-        return await awaitable
+        return await scopes.await_in_task_of(scope, function(*args, **kwargs))
 
     item.obj = in_task_of_the_phase  # type: ignore[attr-defined]  # a pytest.Function's
 
@@ -488,13 +436,9 @@ class PhaseBudgets:
         begin(item, named=budgets.setup is None)
         if budgets.setup is None:
             return (yield)
-        scope = phase_scope(item, "setup", budgets)
         try:
-            with scope:
-                try:
-                    return (yield)
-                finally:
-                    keep_left_open(item, scope)
+            with phase_scope(item, "setup", budgets):
+                return (yield)
         except BaseException as exc:
             watch_failures_of(item.config, exc)
             raise
@@ -514,16 +458,6 @@ class PhaseBudgets:
             running.switch("teardown", named=False)  # the budget's scope names the phase
         with phase_scope(item, "teardown", budgets):
             return (yield)
-
-
-def keep_left_open(item: pytest.Item, setup: TimerRequest) -> None:
-    """The setup, in its scope ``setup``, is over: the scopes it left open inside that
-    scope stay open for the rest of the test (before that scope ends, which would
-    close them), their interrupt held until the call begins."""
-    running = current(item)
-    stack = running.stack if running is not None else None
-    if running is not None and stack and stack[-1] is not setup and setup in stack:
-        running.lift(stack.index(setup) + 1)
 
 
 def need_phase_budgets(config: pytest.Config) -> None:

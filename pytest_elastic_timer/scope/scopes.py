@@ -40,7 +40,6 @@ __all__ = [
     "TimerRequest",
     "await_in_task_of",
     "close_above",
-    "close_lifted",
     "current_scope",
     "current_state",
     "enter_test_phase",
@@ -48,11 +47,9 @@ __all__ = [
     "expiry_listeners",
     "holding_interrupts",
     "leave_test_phase",
-    "lift_above",
     "name_afresh",
     "phase_scope",
     "process_state",
-    "raise_overdue",
     "reattach",
     "resume",
     "set_aside",
@@ -259,12 +256,6 @@ class TimerRequest:
     _delivered = False
     _cancelled = False
     _abandoned = False  # closed because its enclosing scope ended first
-    # Left open by a test's setup (a fixture's scope around its yield) and kept open for
-    # the rest of the test, off the thread's stack (lift_above): detached until it ends.
-    lifted = False
-    # Its expiry raises nothing for now: its thread is between two phases of its test,
-    # in pytest's own reporting, where an exception would be nobody's (raise_overdue).
-    held = False
     _task: Any = None  # the asyncio task (or delivery.TrioTask) that entered the scope
 
     def __init__(
@@ -397,8 +388,6 @@ class TimerRequest:
         abandoned = None
         if self.detached:
             _detached.pop(id(self), None)
-            if self.lifted:  # an ordinary scope again, should it be entered again
-                self.detached = self.lifted = self.held = False
         elif stack:
             if stack[-1] is self:
                 stack.pop()
@@ -420,9 +409,7 @@ class TimerRequest:
                 self.path, self._start, stack.tid if stack is not None else 0, self._delivered
             )
         if abandoned:  # now that this scope is closed and traced too
-            # A test phase's scope ends in the plugin: the warning points at the
-            # scope left open, not at pytest's machinery.
-            _warn_abandoned(abandoned, self.path, at_site=bool(self.flags & tbl.FLAG_TEST_PHASE))
+            _warn_abandoned(abandoned, self.path)
         task = self._task
         if task is not None and _ended_by_its_cancellation(self, task, exc):
             raise _report(self, monotonic(), "interrupted", None, task=task) from exc
@@ -769,105 +756,9 @@ def _user_stacklevel() -> int:
 
 
 def close_above(stack: ScopeStack, depth: int, ending: str) -> None:
-    """Close the scopes of ``stack`` from ``depth`` up, which ``ending`` (a test's
-    phase) outlived; the warning points where the outermost of them was entered."""
+    """Close the scopes of ``stack`` from ``depth`` up, which ``ending`` outlived."""
     __tracebackhide__ = True  # a warning made an error: the user's, not ours
-    _warn_abandoned(_abandon_above(stack, depth), ending, at_site=True)
-
-
-def lift_above(stack: ScopeStack, depth: int) -> list[TimerRequest]:
-    """Take the scopes of ``stack`` from ``depth`` up off it, still open and enforced
-    (outermost first): the scopes a test's setup left open, such as a fixture's around
-    its ``yield``, which its teardown is to leave.
-
-    They are detached from then on, like the session's budget: enforced in the thread
-    that entered them, outermost of all its scopes, and no parent of the scopes
-    entered later (which are named after the phase they are in). Each is left by its
-    own ``release()`` or ``with``, in whatever order; :func:`close_lifted` closes those
-    still open when their test ends."""
-    lifted = list(stack)[depth:]
-    for scope in lifted:
-        scope.lifted = scope.detached = True
-        # The task it was entered in (an async fixture's set-up) is no longer where the
-        # test runs: its expiry raises in the thread, or cancels the task of an async
-        # test's call that it is bound to (await_in_task_of).
-        scope._task = None
-        _detached[id(scope)] = scope  # (on the stack too, a moment: the handler waits)
-    for _ in lifted:
-        stack.pop()
-    return lifted
-
-
-def _drop_lifted(lifted: list[TimerRequest]) -> None:
-    """Close the open scopes ``lifted`` (of :func:`lift_above`), without a word; a
-    later ``release()`` of one of them is a no-op."""
-    for scope in lifted:
-        state = scope._state
-        _detached.pop(id(scope), None)
-        scope._state = None
-        scope._abandoned = True
-        scope.detached = scope.lifted = scope.held = False
-        if state is not None and state.usable and scope._slot >= 0:
-            state.table.clear_slot(scope._slot)
-            state.free.append(scope._slot)
-            scope._slot = -1
-
-
-def _overdue(scope: TimerRequest, now: float) -> bool:
-    """Whether ``scope`` is open past its deadline with no exception raised for it."""
-    state = scope._state
-    return (
-        state is not None
-        and not scope._delivered
-        and not scope._cancelled
-        and now > scope._deadline + delivery.paused(state, now)
-        and not delivery.under_debugger()
-    )
-
-
-def raise_overdue(lifted: list[TimerRequest]) -> None:
-    """Raise the ScopeExpired of the outermost of ``lifted`` (see :func:`lift_above`)
-    that ran out while they were held between two phases of their test: the plugin
-    calls it where the exception is the test's (as its call begins). The scopes inside
-    it are unwound with it, as at an interrupt."""
-    __tracebackhide__ = True
-    now = monotonic()
-    for index, scope in enumerate(lifted):
-        if _overdue(scope, now):
-            for inner in lifted[index:]:
-                inner._delivered = True
-            raise _report(scope, now, "interrupted", sys._getframe(1))
-
-
-def close_lifted(lifted: list[TimerRequest], test: str) -> None:
-    """Close the scopes of :func:`lift_above` that are still open at the end of their
-    test ``test``, with a warning that points where the outermost was entered; then
-    raise the ScopeExpired of one that ran out with nothing raised for it yet."""
-    __tracebackhide__ = True  # a warning made an error: the user's, not ours
-    still = [s for s in lifted if s.active]
-    if not still:
-        return
-    site = still[0].site  # while its state is still known
-    now = monotonic()
-    overdue = next((s for s in still if _overdue(s, now)), None)
-    expired = None if overdue is None else _report(overdue, now, "interrupted", None)
-    _drop_lifted(still)
-    names = ", ".join(repr(s.path) for s in still)
-    scope_was = "scopes {} were" if len(still) > 1 else "scope {} was"
-    try:
-        _warn_at(
-            f"{scope_was.format(names)} still open when {test} ended, and closed then: "
-            "a scope entered in a test's setup is enforced until the end of that test's "
-            "teardown at the most. A fixture that outlives the test (class, module, "
-            "package or session scope) cannot keep one open around its yield: put one "
-            "scope around its set-up and another around its teardown (before and after "
-            "the yield), and bound the whole session with --expires-session. Otherwise, "
-            "release every scope you acquire",
-            site,
-        )
-    finally:
-        if expired is not None:
-            raise expired
+    _warn_abandoned(_abandon_above(stack, depth), ending)
 
 
 def _abandon_above(stack: ScopeStack, depth: int) -> list[TimerRequest]:
@@ -884,34 +775,18 @@ def _abandon_above(stack: ScopeStack, depth: int) -> list[TimerRequest]:
     return abandoned
 
 
-def _warn_abandoned(abandoned: list[TimerRequest], ending: str, *, at_site: bool = False) -> None:
+def _warn_abandoned(abandoned: list[TimerRequest], ending: str) -> None:
     """Say that ``ending`` closed the scopes ``abandoned``. Called once every scope is
-    closed: under ``-W error`` the warning raises, and nothing may be left open then.
-    The warning points at the user's call that ended ``ending``, or with ``at_site``
-    (``ending`` is a test's phase, ended by the plugin) where the outermost scope left
-    open was entered."""
+    closed: under ``-W error`` the warning raises, and nothing may be left open then."""
     __tracebackhide__ = True
     names = ", ".join(repr(s.path) for s in abandoned)
     were, they = ("were", "they were") if len(abandoned) > 1 else ("was", "it was")
-    message = (
+    warnings.warn(
         f"scope {ending!r} ended while {names} inside it {were} still open; "
-        f"{they} closed with it (release every scope you acquire)"
+        f"{they} closed with it (release every scope you acquire)",
+        RuntimeWarning,
+        stacklevel=_user_stacklevel(),
     )
-    if at_site:
-        _warn_at(message, abandoned[0].site)
-    else:
-        warnings.warn(message, RuntimeWarning, stacklevel=_user_stacklevel())
-
-
-def _warn_at(message: str, site: str) -> None:
-    """A RuntimeWarning that points at ``site`` (``file:line``, where a scope was
-    entered); at the first frame outside the package where the site is unknown."""
-    __tracebackhide__ = True
-    file, _, line = site.rpartition(":")
-    if file and line.isdigit() and int(line) > 0:
-        warnings.warn_explicit(message, RuntimeWarning, file, int(line))
-    else:
-        warnings.warn(message, RuntimeWarning, stacklevel=_user_stacklevel())
 
 
 # -- delivery ------------------------------------------------------------------------
@@ -1039,8 +914,6 @@ def _deliver_due(state: client.ProcessState, frame: FrameType | None) -> None:
         for scope in candidates:
             if scope._delivered or scope._cancelled or scope._deadline > now + _EARLY:
                 continue
-            if scope.held:  # the plugin raises it once the next phase begins
-                continue
             exc = None if tid == here else _expired(scope, now, "interrupted")
             # Looked at right before the exception goes out: an asynchronous one lands
             # at that thread's next bytecode, which must not be in our bookkeeping.
@@ -1150,8 +1023,6 @@ delivery.mark_critical(
     TimerRequest.cancel,
     enter_test_phase,
     leave_test_phase,
-    lift_above,
-    _drop_lifted,
     resume,
     _report,
     _told,
