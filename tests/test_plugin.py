@@ -302,6 +302,13 @@ def test_scope_left_open_by_a_test_does_not_hit_later_tests(pytester: pytest.Pyt
         ), summary
     assert "test_leak.py::test_leaks\n" in summary
     assert "test_leak.py::test_fixture_leaks\n" in summary
+    # Each points where its scope was entered (it pointed into pluggy), and the one a
+    # fixture's setup left open says how to bound a fixture's teardown instead.
+    for leaked in ("fixture-leaked", "leaked"):
+        line = f'et.TimerRequest(0.3, scope="{leaked}").acquire()  # never released'
+        assert re.search(rf"test_leak.py:\d+: RuntimeWarning: .*\n\s+{re.escape(line)}", summary)
+    assert "pluggy" not in summary, summary
+    assert "bound the fixture's teardown with a scope after the yield" in summary, summary
 
 
 @pytest.mark.parametrize("budget", [(), ("--expires=10",)], ids=["no budget", "budget"])

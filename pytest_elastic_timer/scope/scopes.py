@@ -756,9 +756,20 @@ def _user_stacklevel() -> int:
 
 
 def close_above(stack: ScopeStack, depth: int, ending: str) -> None:
-    """Close the scopes of ``stack`` from ``depth`` up, which ``ending`` outlived."""
+    """Close the scopes of ``stack`` from ``depth`` up, which ``ending`` (a test's
+    phase, which the plugin ends) outlived: the warning points where the outermost of
+    them was entered, not at pytest's machinery."""
     __tracebackhide__ = True  # a warning made an error: the user's, not ours
-    _warn_abandoned(_abandon_above(stack, depth), ending)
+    abandoned = _abandon_above(stack, depth)
+    if ending.endswith("::setup"):
+        advice = (
+            "; a fixture's scope around its yield ends with the test's setup: bound the "
+            "fixture's teardown with a scope after the yield, and the test with "
+            "@pytest.mark.expires"
+        )
+    else:
+        advice = ""
+    _warn_abandoned(abandoned, ending, advice=advice, at=abandoned[0].site)
 
 
 def _abandon_above(stack: ScopeStack, depth: int) -> list[TimerRequest]:
@@ -775,18 +786,34 @@ def _abandon_above(stack: ScopeStack, depth: int) -> list[TimerRequest]:
     return abandoned
 
 
-def _warn_abandoned(abandoned: list[TimerRequest], ending: str) -> None:
+def _warn_abandoned(
+    abandoned: list[TimerRequest], ending: str, *, advice: str = "", at: str = ""
+) -> None:
     """Say that ``ending`` closed the scopes ``abandoned``. Called once every scope is
-    closed: under ``-W error`` the warning raises, and nothing may be left open then."""
+    closed: under ``-W error`` the warning raises, and nothing may be left open then.
+    The warning points at the user's call that ended ``ending``, or at ``at``
+    (``file:line``) where given."""
     __tracebackhide__ = True
     names = ", ".join(repr(s.path) for s in abandoned)
     were, they = ("were", "they were") if len(abandoned) > 1 else ("was", "it was")
-    warnings.warn(
+    message = (
         f"scope {ending!r} ended while {names} inside it {were} still open; "
-        f"{they} closed with it (release every scope you acquire)",
-        RuntimeWarning,
-        stacklevel=_user_stacklevel(),
+        f"{they} closed with it (release every scope you acquire){advice}"
     )
+    file, _, line = at.rpartition(":")
+    if file and line.isdigit() and int(line) > 0:
+        warnings.warn_explicit(message, RuntimeWarning, file, int(line), _module_of(file))
+    else:
+        warnings.warn(message, RuntimeWarning, stacklevel=_user_stacklevel())
+
+
+def _module_of(file: str) -> str:
+    """The name of the imported module of ``file`` (what warning filters match), else
+    the file's name without ``.py``."""
+    for name, module in list(_modules.items()):
+        if getattr(module, "__file__", None) == file:
+            return name
+    return os.path.splitext(os.path.basename(file))[0]
 
 
 # -- delivery ------------------------------------------------------------------------
