@@ -378,18 +378,14 @@ class ProcessState:
             return
         try:
             if wait:
-                sock.settimeout(WELCOME_TIMEOUT)
-                data = sock.recv(wire.MAX_MESSAGE)
+                data = _receive_within(sock, WELCOME_TIMEOUT)
             else:
                 data = sock.recv(wire.MAX_MESSAGE, socket.MSG_DONTWAIT)
         except BlockingIOError:
             return  # not yet: the watchdog is still starting
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # (ValueError: closed meanwhile)
             self._lose(str(exc) or type(exc).__name__)
             return
-        finally:
-            if self.sock is not None and wait:
-                self.sock.settimeout(None)
         if not data:
             self._lose("the watchdog closed its connection")
             return
@@ -901,14 +897,41 @@ class ProcessState:
         if sock is None:
             return {}
         try:
-            sock.settimeout(10.0)
-            sock.sendall(wire.encode(op, **fields))
-            _, answer = wire.decode(sock.recv(wire.MAX_MESSAGE))
-            sock.settimeout(None)
+            _send_within(sock, wire.encode(op, **fields), 10.0)
+            _, answer = wire.decode(_receive_within(sock, 10.0))
             return answer
-        except (OSError, wire.BadMessage) as exc:
+        except (OSError, ValueError, wire.BadMessage) as exc:
             self._warn(f"lost the watchdog ({exc})")
             return {}
+
+
+# Waits on the connection with select, never with a timeout on the socket: a timeout
+# makes the socket's file description non-blocking for every thread that sends on it,
+# and a sendall under way in another thread (the standby thread sending what waited
+# for the watchdog's answer) then fails with EAGAIN, which lost the watchdog.
+def _receive_within(sock: socket.socket, seconds: float) -> bytes:
+    """The next message on ``sock``, waited for at most ``seconds``."""
+    give_up = _monotonic() + seconds
+    while True:
+        try:
+            return sock.recv(wire.MAX_MESSAGE, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            left = give_up - _monotonic()
+            if left <= 0 or not _select([sock], [], [], left)[0]:
+                raise TimeoutError("timed out") from None
+
+
+def _send_within(sock: socket.socket, data: bytes, seconds: float) -> None:
+    """Send the message ``data`` on ``sock``, waiting at most ``seconds`` for room."""
+    give_up = _monotonic() + seconds
+    while True:
+        try:
+            sock.send(data, socket.MSG_DONTWAIT)  # a datagram: all of it, or nothing
+            return
+        except BlockingIOError:
+            left = give_up - _monotonic()
+            if left <= 0 or not _select([], [sock], [], left)[1]:
+                raise TimeoutError("timed out") from None
 
 
 class Sentinel:
