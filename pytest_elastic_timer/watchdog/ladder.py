@@ -142,12 +142,22 @@ class Ladder:
             self.read_pending(owner)
         return expiry.report is not None or expiry.recorded
 
-    def _closed(self, owner: Owner, expiry: Expiry) -> None:
+    def _closed(
+        self,
+        owner: Owner,
+        expiry: Expiry,
+        stack: str = "",
+        ended: list[dict[str, Any]] | None = None,
+    ) -> None:
+        """The scope is closed: its record, ``interrupted``. ``ended``: the processes
+        below the owner the ladder ended first (:meth:`_terminate`), which the record
+        lists, in place of the one the owner's report made, and which make a record
+        also of a scope an enclosing one unwound; ``stack``: the owner's, if dumped."""
         self.read_pending(owner)  # its report may be in flight
-        if expiry.recorded:
+        if expiry.recorded and not ended:  # the record its report made stands
             forget(owner, expiry)
-        elif expiry.report is not None or not proctree.alive([owner.proc]):
-            self.record(owner, expiry, "interrupted", expiry.reported_stack(), [])
+        elif expiry.report is not None or ended or not proctree.alive([owner.proc]):
+            self.record(owner, expiry, "interrupted", stack or expiry.reported_stack(), ended or [])
         else:
             forget(owner, expiry)  # unwound by an enclosing scope: no record of its own
 
@@ -182,10 +192,7 @@ class Ladder:
             while not closed(owner, expiry) and self.clock() < give_up:
                 yield CHECK_EVERY
             if closed(owner, expiry):
-                self.read_pending(owner)  # its report may be in flight
-                if not expiry.recorded or expiry.report is not None:
-                    self.record(owner, expiry, "interrupted", stack, ended_first)
-                forget(owner, expiry)
+                self._closed(owner, expiry, stack, ended_first)
                 return
             tree = proctree.alive(proctree.tree_of(owner.proc, {os.getpid()}))
         ended = ended_first + [proctree.describe(p) for p in tree]
