@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Generator
-from typing import Any
+from typing import Any, Literal, cast
 
 import pytest
 from _pytest._code.code import ExceptionChainRepr, ReprEntryNative, ReprExceptionInfo
@@ -20,8 +20,10 @@ from _pytest._code.code import ExceptionChainRepr, ReprEntryNative, ReprExceptio
 from pytest_elastic_timer.core import records, unpatched
 from pytest_elastic_timer.core.records import ExpiryRecord
 from pytest_elastic_timer.plugin import running
+from pytest_elastic_timer.plugin.lifecycle import SESSION_SCOPE, TEST_PHASES
 from pytest_elastic_timer.plugin.state import (
     SESSION,
+    SessionState,
     expiry_records,
     is_worker,
     record_text,
@@ -31,7 +33,6 @@ from pytest_elastic_timer.plugin.state import (
 from pytest_elastic_timer.plugin.xdist_support import SCOPE_PROPERTY, ExpiryRepr
 from pytest_elastic_timer.scope.scopes import ScopeExpired
 
-PHASES = ("setup", "call", "teardown")
 PROPERTY_PREFIX = "elastic_timer_"
 # A report attribute (it travels with the report to an xdist controller, and is in no
 # JUnit file): the pid of a test process that raised a ScopeExpired during the test,
@@ -165,7 +166,7 @@ class FailedReports:
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        if not report.failed or report.when not in PHASES:
+        if not report.failed or report.when not in TEST_PHASES:
             return
         config = self.config
         found = _expired_of(config, report)
@@ -205,6 +206,59 @@ def register_reports(config: pytest.Config) -> None:
         manager.register(ExpiryReports(), ExpiryReports.NAME)
     if not is_worker(config) and not manager.has_plugin(FailedReports.NAME):
         manager.register(FailedReports(config), FailedReports.NAME)
+
+
+def fail_the_interrupted_test(session: pytest.Session, state: SessionState) -> None:
+    """The test that the session's budget stopped (with Exit, as Ctrl-C does: nothing
+    a test catches) fails as a test whose own scope expired, with the session scope's
+    line: ``TIMEOUT`` in the summary, a failure in the JUnit file, where Exit left it
+    with no outcome. (An xdist worker's test fails by the ScopeExpired itself.)"""
+    if state.interrupted_test is None:
+        return
+    nodeid, when = state.interrupted_test
+    state.interrupted_test = None
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None or any(
+        (getattr(report, "nodeid", ""), getattr(report, "when", "")) == (nodeid, when)
+        for reports in reporter.stats.values()
+        for report in reports
+    ):
+        # Its phase has an outcome of its own: in a thread, where the session's budget
+        # raises a ScopeExpired, or where the test caught Exit (``except BaseException``).
+        return
+    item = next((i for i in session.items if i.nodeid == nodeid), None)
+    found = [
+        r
+        for r in expiry_records(session.config)
+        if (r.scope, r.nodeid, r.pid) == (SESSION_SCOPE, nodeid, unpatched.getpid())
+    ]
+    if item is None or not found:
+        return
+    register_reports(session.config)
+    keywords: dict[str, Literal[1]] = {name: 1 for name in item.keywords}
+    phase = cast("Literal['setup', 'call', 'teardown']", when)  # one of TEST_PHASES
+    failed = pytest.TestReport(
+        nodeid,
+        item.location,
+        keywords,
+        "failed",
+        ExpiryRepr(found[-1], item.location[0], found[-1].line, session.config),
+        phase,
+        user_properties=[(SCOPE_PROPERTY, SESSION_SCOPE)],
+    )
+    item.ihook.pytest_runtest_logreport(report=failed)
+    if when != "teardown":  # the JUnit file writes a test's properties at its teardown
+        closing = pytest.TestReport(
+            nodeid,
+            item.location,
+            keywords,
+            "passed",
+            None,
+            "teardown",
+            user_properties=list(failed.user_properties),
+        )
+        item.ihook.pytest_runtest_logreport(report=closing)
+    item.ihook.pytest_runtest_logfinish(nodeid=nodeid, location=item.location)
 
 
 def _scope_expired_in(exc: BaseException) -> ScopeExpired | None:

@@ -268,7 +268,10 @@ def pytest_sessionfinish(
         # this hook for a session that never ran, which has no such attribute.
         state.exitstatus = int(exitstatus)
         lifecycle.check_watchdog(session, state)
-        lifecycle.fail_the_interrupted_test(session, state)
+        if state.interrupted_test is not None:  # the session's budget stopped a test
+            from pytest_elastic_timer.plugin import expiry
+
+            expiry.fail_the_interrupted_test(session, state)
     return (yield)
 
 

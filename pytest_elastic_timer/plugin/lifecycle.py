@@ -10,7 +10,7 @@ import sys
 import warnings
 from collections.abc import Generator, Iterator, Sequence
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -20,7 +20,6 @@ from pytest_elastic_timer.plugin.state import (
     SESSION,
     SessionState,
     any_item_asks_for,
-    expiry_records,
     is_worker,
     uses_xdist,
     worker_id,
@@ -337,61 +336,6 @@ def _end_session(state: SessionState, exc: ScopeExpired) -> BaseException | None
     # Not a ScopeExpired, even in a test: code may catch that (it is a TimeoutError),
     # and it may land in the reporting hooks after a phase, outside pytest's catch.
     return pytest.exit.Exception(reason)
-
-
-def fail_the_interrupted_test(session: pytest.Session, state: SessionState) -> None:
-    """The test that the session's budget stopped (with Exit, as Ctrl-C does: nothing
-    a test catches) fails as a test whose own scope expired, with the session scope's
-    line: ``TIMEOUT`` in the summary, a failure in the JUnit file, where Exit left it
-    with no outcome. (An xdist worker's test fails by the ScopeExpired itself.)"""
-    if state.interrupted_test is None:
-        return
-    nodeid, when = state.interrupted_test
-    state.interrupted_test = None
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is None or any(
-        (getattr(report, "nodeid", ""), getattr(report, "when", "")) == (nodeid, when)
-        for reports in reporter.stats.values()
-        for report in reports
-    ):
-        # Its phase has an outcome of its own: in a thread, where the session's budget
-        # raises a ScopeExpired, or where the test caught Exit (``except BaseException``).
-        return
-    item = next((i for i in session.items if i.nodeid == nodeid), None)
-    found = [
-        r
-        for r in expiry_records(session.config)
-        if (r.scope, r.nodeid, r.pid) == (SESSION_SCOPE, nodeid, unpatched.getpid())
-    ]
-    if item is None or not found:
-        return
-    from pytest_elastic_timer.plugin import expiry, xdist_support  # on a stop only
-
-    expiry.register_reports(session.config)
-    keywords: dict[str, Literal[1]] = {name: 1 for name in item.keywords}
-    phase = cast("Literal['setup', 'call', 'teardown']", when)  # one of TEST_PHASES
-    failed = pytest.TestReport(
-        nodeid,
-        item.location,
-        keywords,
-        "failed",
-        xdist_support.ExpiryRepr(found[-1], item.location[0], found[-1].line, session.config),
-        phase,
-        user_properties=[(xdist_support.SCOPE_PROPERTY, SESSION_SCOPE)],
-    )
-    item.ihook.pytest_runtest_logreport(report=failed)
-    if when != "teardown":  # the JUnit file writes a test's properties at its teardown
-        closing = pytest.TestReport(
-            nodeid,
-            item.location,
-            keywords,
-            "passed",
-            None,
-            "teardown",
-            user_properties=list(failed.user_properties),
-        )
-        item.ihook.pytest_runtest_logreport(report=closing)
-    item.ihook.pytest_runtest_logfinish(nodeid=nodeid, location=item.location)
 
 
 def session_stop_reason(line: str, phase: str, worker: str) -> str:
