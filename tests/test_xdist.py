@@ -1045,6 +1045,32 @@ def test_the_session_expiring_in_a_conftest_sessionfinish_ends_with_its_summary(
     assert session.seconds < 1.5 + 8, session.text
 
 
+def test_the_session_expiring_in_a_conftest_terminal_summary_ends_with_status_2(
+    pytester: pytest.Pytester,
+) -> None:
+    """The session's budget runs out in a conftest's pytest_terminal_summary, which
+    pytest's terminal reporter calls after every pytest_sessionfinish hook ran: the hook
+    is interrupted, the rest of the summary is still written (the exception skipped it,
+    the final line included), and the exit status is 2 (it was 0: pytest takes Exit
+    there for a note on stderr and keeps the status the tests made)."""
+    session = run_past_the_session_budget(
+        pytester, SESSION_HOOK_HANGS.format(hook="terminal_summary", hang="time.sleep(60)")
+    )
+    session.result.assert_outcomes(passed=2)
+    assert re.search(
+        r"^Interrupted: scope 'session' expired after [\d.]+s \(budget 1.5s\): "
+        r"interrupted \(phase sessionfinish\)$",
+        session.stdout,
+        re.MULTILINE,
+    ), session.text
+    assert "elastic-timer: expired scopes" in session.stdout, session.text
+    assert session.report is not None
+    (record,) = session.report["expired"]
+    assert (record["scope"], record["phase"]) == ("session", "sessionfinish")
+    assert session.report["session"]["exitstatus"] == 2
+    assert session.seconds < 1.5 + 8, session.text
+
+
 def test_the_session_expiring_in_a_conftest_unconfigure_ends_with_status_2(
     pytester: pytest.Pytester,
 ) -> None:

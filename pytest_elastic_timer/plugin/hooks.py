@@ -99,7 +99,9 @@ def pytest_configure(config: pytest.Config) -> None:
     state.leak_watch = leaks.Watch()
     state.used = any_given(config)
     if settings.session:
-        config.pluginmanager.register(lifecycle.SessionHooksBudget(state), SESSION_HOOKS_BUDGET)
+        config.pluginmanager.register(
+            lifecycle.SessionHooksBudget(state, pytest_terminal_summary), SESSION_HOOKS_BUDGET
+        )
     # Orphans are adopted from the end of collection on (where the watchdog's shell has
     # been reaped: the watchdog it leaves is not adopted, nor left to be reaped), before
     # any test runs; under auto, from the first test that uses the plugin.
@@ -279,6 +281,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     state = config.stash.get(SESSION, None)
     if state is None:
         return
+    state.summary_written = True
     if state.stopped_at_a_worker_end:
         terminalreporter.write_line(f"Interrupted: {state.stopped_at_a_worker_end}")
     if state.lost_watchdog:

@@ -8,7 +8,7 @@ import contextlib
 import os
 import sys
 import warnings
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
@@ -386,10 +386,19 @@ class SessionHooksBudget:
     exception would skip the summary and leave the exit status as the tests made it:
     the summary is written, the exit status is 2 (as when the budget stops the
     session during the tests), and a worker hands the reason to the controller
-    (:data:`STOPPED_IN_SESSIONFINISH`), which stops the session with it."""
+    (:data:`STOPPED_IN_SESSIONFINISH`), which stops the session with it. The same in
+    ``pytest_terminal_summary``, which the terminal reporter calls after every
+    ``pytest_sessionfinish`` hook ran (outside their wrappers): pytest takes the Exit
+    there for a note on stderr and keeps the status the tests made.
 
-    def __init__(self, state: SessionState) -> None:
+    ``own_summary`` is the plugin's own ``pytest_terminal_summary``, written all the
+    same where another one was cut short before it."""
+
+    def __init__(
+        self, state: SessionState, own_summary: Callable[[Any, int, pytest.Config], None]
+    ) -> None:
         self.state = state
+        self.own_summary = own_summary
 
     @pytest.hookimpl(wrapper=True, trylast=True)
     def pytest_sessionstart(self, session: pytest.Session) -> Generator[None, object, object]:
@@ -424,6 +433,26 @@ class SessionHooksBudget:
             reporter = session.config.pluginmanager.get_plugin("terminalreporter")
             if reporter is not None:
                 reporter.write_line(f"Interrupted: {reason}")
+        return None
+
+    @pytest.hookimpl(wrapper=True, trylast=True)
+    def pytest_terminal_summary(
+        self, terminalreporter: Any, exitstatus: int, config: pytest.Config
+    ) -> Generator[None, object, object]:
+        before = session_budget_ran_out(self.state)
+        session = self.state.session
+        try:
+            result = yield
+        except (ScopeExpired, pytest.exit.Exception):
+            if before or session is None or not self._ran_out_here(session):
+                raise
+        else:
+            if before or session is None or not self._ran_out_here(session):
+                return result
+        _interrupted(self.state)
+        terminalreporter.write_line(f"Interrupted: {self.state.stop_reason}")
+        if not self.state.summary_written:  # cut short before the plugin's own ran
+            self.own_summary(terminalreporter, exitstatus, config)
         return None
 
     def _ran_out_here(self, session: pytest.Session) -> bool:

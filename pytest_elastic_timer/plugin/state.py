@@ -59,6 +59,8 @@ class SessionState:
         # The same, where it ran out in an xdist worker at the worker's very end, after
         # its results (controller): the summary's first line says it.
         self.stopped_at_a_worker_end = ""
+        # The plugin's own terminal summary was written (see SessionHooksBudget).
+        self.summary_written = False
         # (nodeid, phase) of the test the session's budget stopped (not in a worker).
         self.interrupted_test: tuple[str, str] | None = None
         # The watchdog's torch file-timer FIFO, which a test's torch agent may take over.
