@@ -729,6 +729,67 @@ def test_a_session_budget_that_ends_a_stuck_worker_stops_the_session(
     assert_all_gone(session, all_pids(pytester) | {record["pid"]})
 
 
+# A conftest's reporting hook of test_a in a worker holds it past the session's budget,
+# between two phases of the test (pytest makes or logs a phase's report there).
+REPORT_HOOK_HOLDS = {
+    "makereport-setup": """
+import time
+
+import pytest
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    if call.when == "setup" and item.name == "test_a":
+        time.sleep(4)
+    return (yield)
+""",
+    "logreport-setup": """
+import time
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "setup" and report.nodeid.endswith("test_a"):
+        time.sleep(4)
+""",
+    "logreport-call": """
+import time
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" and report.nodeid.endswith("test_a"):
+        time.sleep(4)
+""",
+}
+
+
+@pytest.mark.parametrize("hook", list(REPORT_HOOK_HOLDS))
+def test_a_worker_whose_session_budget_runs_out_between_phases_of_a_test(
+    pytester: pytest.Pytester, hook: str
+) -> None:
+    """The session's budget runs out in a worker while pytest makes or logs the report
+    of test_a's setup (or call), outside the phase where pytest catches a test's
+    exceptions: raised there, the ScopeExpired was an internal error of the worker, and
+    test_a had no outcome. The hook runs on; after the setup, test_a's call fails by the
+    session's scope at once (TIMEOUT), after the call the test keeps its outcome, and no
+    test starts after it: exit status 2."""
+    pytester.makeconftest(REPORT_HOOK_HOLDS[hook])
+    pytester.makepyfile(test_s=TWO_TESTS)
+    session = run(pytester, "-p", "xdist", "-n", "1", GRACE, "-rA", "--expires-session=2")
+    assert "INTERNALERROR" not in session.text, session.text
+    assert session.result.ret == pytest.ExitCode.INTERRUPTED, session.text
+    word = "PASSED" if hook.endswith("call") else "TIMEOUT"
+    assert list(results(session)) == [(word, "test_s.py::test_a")], session.text
+    if word == "TIMEOUT":
+        first = lead(session, "test_a")
+        assert scope_line("session", "2").match(first), first
+    assert "Interrupted: scope 'session' expired after" in session.text, session.text
+    assert session.report is not None
+    (record,) = [r for r in session.report["expired"] if r["scope"] == "session"]
+    assert (record["nodeid"], record["action"]) == ("test_s.py::test_a", "interrupted"), record
+    assert_all_gone(session, {record["pid"]})
+
+
 # -- the session's budget running out during collection ------------------------------
 ONE_WORKER_HANGS_IN_COLLECTION = (
     RECORD_PID

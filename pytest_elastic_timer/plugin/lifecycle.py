@@ -370,7 +370,38 @@ def _end_worker_session(
         if state.session_scope is not None:
             state.session_scope.cancel()
         return None
+    if phase in ("setup", "call") and _between_phases():
+        # pytest makes or logs the phase's report (a conftest's hook that takes long):
+        # raised there, outside the phase, where nothing catches a test's exception,
+        # it would be an internal error of the worker, and the test would have no
+        # outcome. The hook runs on (one that hangs is ended by the ladder, as a test
+        # in a C call is); a test whose setup is over fails at the start of its call,
+        # by this exception (see running.call), one whose call is over keeps its
+        # outcome, and the worker starts no test after it.
+        if phase == "setup":
+            state.expired_before_the_call = exc
+        return None
     return exc
+
+
+def _between_phases() -> bool:
+    """Whether the calling thread is in pytest's own running of a test's protocol but
+    not inside one of its phases (``CallInfo.from_call``, which catches what a phase
+    raises): making or logging a phase's report. Looked at only as the session's budget
+    runs out, in its signal handler, whose frames lead to where it landed."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename.endswith(_PYTEST_RUNNER):
+            if code.co_name == "from_call":
+                return False
+            if code.co_name in ("call_and_report", "runtestprotocol"):
+                return True
+        frame = frame.f_back
+    return False
+
+
+_PYTEST_RUNNER = os.path.join("_pytest", "runner.py")
 
 
 class SessionHooksBudget:

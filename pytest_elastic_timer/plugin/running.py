@@ -327,6 +327,10 @@ def call(item: pytest.Item) -> Generator[None, None, None]:
         running.children = leaks.snapshot()
     running.switch("call", named=budgets.call is None)
     try:
+        expired = running.state.expired_before_the_call
+        if expired is not None:  # the session's budget, in a worker (see lifecycle)
+            running.state.expired_before_the_call = None
+            raise expired
         if budgets.call is None:
             return (yield)
         scope = running.call_scope = scopes.enter_test_phase(

@@ -15,7 +15,7 @@ from pytest_elastic_timer.plugin.budgets import BudgetBook
 from pytest_elastic_timer.plugin.options import Settings
 from pytest_elastic_timer.plugin.torch_timer_file import TorchTimerFile
 from pytest_elastic_timer.scope import scopes
-from pytest_elastic_timer.scope.scopes import TimerRequest
+from pytest_elastic_timer.scope.scopes import ScopeExpired, TimerRequest
 
 if TYPE_CHECKING:
     # Loaded where a record is read or shown: a session outside xdist in which no test
@@ -63,6 +63,9 @@ class SessionState:
         self.summary_written = False
         # (nodeid, phase) of the test the session's budget stopped (not in a worker).
         self.interrupted_test: tuple[str, str] | None = None
+        # An xdist worker's session budget that ran out after a test's setup, while
+        # its report was made: the test's call fails by it (see lifecycle).
+        self.expired_before_the_call: ScopeExpired | None = None
         # The watchdog's torch file-timer FIFO, which a test's torch agent may take over.
         self.torch_timer_file: TorchTimerFile | None = None
         self.session: pytest.Session | None = None

@@ -964,9 +964,12 @@ def _deliver_due(state: client.ProcessState, frame: FrameType | None) -> None:
             if exc is None:
                 exc = _expired(scope, now, "interrupted")
                 raise_here = scope.on_expire(exc) if scope.on_expire else exc
-                # None: the owner had nothing to interrupt (an xdist worker waiting for
-                # its next test, past the session's budget), and is not said to be.
-                if raise_here is not None:
+                # None: nothing to raise here. Cancelled by on_expire: the owner had
+                # nothing to interrupt (an xdist worker waiting for its next test, past
+                # the session's budget), and is not said to be. Not cancelled: it is
+                # interrupted later (an xdist worker in pytest's reporting between two
+                # phases of a test), and the watchdog learns where it was now.
+                if raise_here is not None or not scope._cancelled:
                     _told(scope, now, where, exc, task=None)
             else:
                 delivery.raise_in_thread(tid, exc)
