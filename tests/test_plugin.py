@@ -1206,6 +1206,33 @@ def test_a_passing_session_loads_no_failure_machinery(
     assert "pytest_elastic_timer.core.hostlink" not in loaded.split()
 
 
+def test_an_xdist_controller_loads_the_failure_machinery_at_a_failed_report(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each report of the workers goes through one plain hook of the controller, which
+    # loads the failed-report plugins only once a failed report arrives; the first
+    # one is still shown by the scope that expired (TIMEOUT).
+    monkeypatch.delenv("GITHUB_ACTIONS", raising=False)
+    pytester.makeconftest(FAILURE_MODULES_CONFTEST)
+    pytester.makepyfile(
+        test_one="def test_one():\n    pass\n\ndef test_two():\n    pass\n",
+        test_over=(
+            "import time\n\nimport pytest\n\n\n@pytest.mark.expires(0.3)\n"
+            "def test_over():\n    time.sleep(5)\n"
+        ),
+    )
+    passing = run(pytester, "test_one.py", "-p", "xdist", "-n", "2", report=False)
+    passing.result.assert_outcomes(passed=2)
+    loaded = next(line for line in passing.lines if line.startswith("FAILURE MODULES"))
+    assert "pytest_elastic_timer.plugin.xdist_support" in loaded.split(), loaded
+    assert "pytest_elastic_timer.plugin.expiry" not in loaded.split(), loaded
+    over = run(pytester, "-p", "xdist", "-n", "2", "-rA", report=False)
+    over.result.assert_outcomes(passed=2, failed=1)
+    assert any(line.startswith("TIMEOUT test_over.py::test_over - ") for line in over.lines)
+    loaded = next(line for line in over.lines if line.startswith("FAILURE MODULES"))
+    assert "pytest_elastic_timer.plugin.expiry" in loaded.split(), loaded
+
+
 INNER_SESSIONS = """
 import sys
 

@@ -4,8 +4,8 @@ collective), the scope's facts as ``user_properties``, the ``TIMEOUT``
 status, and the plugin's ``pytest_elastic_timer_expired`` hook.
 
 Nothing here runs, nor is imported, for a passing test: :func:`register_reports`
-registers these plugins once a test fails or a scope expires (always in an xdist
-controller, whose workers' failures arrive at any time).
+registers these plugins once a test fails or a scope expires (in an xdist controller,
+once a worker's report of a failed test arrives).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from pytest_elastic_timer.plugin.state import (
     record_text,
     session_directory,
     stack_text,
+    uses_xdist,
 )
 from pytest_elastic_timer.plugin.xdist_support import SCOPE_PROPERTY, ExpiryRepr
 from pytest_elastic_timer.scope.scopes import ScopeExpired
@@ -154,10 +155,31 @@ def _describe_failure(
     _add_collective_sections(item, report)
 
 
+def note_failed_report(config: pytest.Config, report: pytest.TestReport) -> None:
+    """In the controller (or only process): a failed ``report`` about expired scopes
+    gets their facts as properties (and so the ``TIMEOUT`` status, see
+    :class:`TimeoutStatus`), and is handed to the ``pytest_elastic_timer_expired``
+    hook."""
+    if not report.failed or report.when not in TEST_PHASES:
+        return
+    found = _expired_of(config, report)
+    if not found:
+        return
+    if _scope_of(report) is None:
+        report.user_properties.append((SCOPE_PROPERTY, found[0].scope))
+    _add_properties(report, found[0])
+    state = config.stash[SESSION]
+    known = state.expired.setdefault(report.nodeid, [])
+    seen = {(k.host, k.worker, k.pid, k.scope) for k in known}
+    known.extend(r for r in found if (r.host, r.worker, r.pid, r.scope) not in seen)
+    config.hook.pytest_elastic_timer_expired(config=config, report=report, records=found)
+
+
 class FailedReports:
-    """In the controller (or only process): a failed report about expired scopes gets
-    their facts as properties and the ``TIMEOUT`` status, and is handed to the
-    ``pytest_elastic_timer_expired`` hook."""
+    """In a process that runs its tests itself: their failed reports go through
+    :func:`note_failed_report` before any other plugin sees them. (An xdist controller
+    has its workers' reports go through it in the one hook it has for every report,
+    ``xdist_support.WorkerReports``.)"""
 
     NAME = "elastic_timer_failed_reports"
 
@@ -166,23 +188,16 @@ class FailedReports:
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        if not report.failed or report.when not in TEST_PHASES:
-            return
-        config = self.config
-        found = _expired_of(config, report)
-        if not found:
-            return
-        if _scope_of(report) is None:
-            report.user_properties.append((SCOPE_PROPERTY, found[0].scope))
-        _add_properties(report, found[0])
-        state = config.stash[SESSION]
-        known = state.expired.setdefault(report.nodeid, [])
-        seen = {(k.host, k.worker, k.pid, k.scope) for k in known}
-        known.extend(r for r in found if (r.host, r.worker, r.pid, r.scope) not in seen)
-        config.hook.pytest_elastic_timer_expired(config=config, report=report, records=found)
+        note_failed_report(self.config, report)
+
+
+class TimeoutStatus:
+    """In the controller (or only process): expired tests read ``T`` / ``TIMEOUT`` in
+    the progress line and verbose output."""
+
+    NAME = "elastic_timer_timeout_status"
 
     def pytest_report_teststatus(self, report: pytest.TestReport, config: pytest.Config) -> Any:
-        """Expired tests read ``T`` / ``TIMEOUT`` in the progress line and verbose output."""
         if not report.failed:
             return None
         properties = getattr(report, "user_properties", ())  # a CollectReport has none
@@ -204,7 +219,11 @@ def register_reports(config: pytest.Config) -> None:
     manager = config.pluginmanager
     if not manager.has_plugin(ExpiryReports.NAME):
         manager.register(ExpiryReports(), ExpiryReports.NAME)
-    if not is_worker(config) and not manager.has_plugin(FailedReports.NAME):
+    if is_worker(config):
+        return
+    if not manager.has_plugin(TimeoutStatus.NAME):
+        manager.register(TimeoutStatus(), TimeoutStatus.NAME)
+    if not uses_xdist(config) and not manager.has_plugin(FailedReports.NAME):
         manager.register(FailedReports(config), FailedReports.NAME)
 
 

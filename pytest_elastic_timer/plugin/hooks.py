@@ -32,7 +32,6 @@ from pytest_elastic_timer.plugin.budgets import BudgetBook, Budgets
 from pytest_elastic_timer.plugin.fixtures import elastic_timer as elastic_timer
 from pytest_elastic_timer.plugin.fixtures import elastic_timer_server as elastic_timer_server
 from pytest_elastic_timer.plugin.options import MARKER, add_options, any_given, read_settings
-from pytest_elastic_timer.plugin.running import watch_failures
 from pytest_elastic_timer.plugin.state import (
     SESSION,
     SessionState,
@@ -193,8 +192,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     if not is_worker(config) and uses_xdist(config):
         # A controller that starts workers: xdist made its session in pytest_configure
         # and starts the workers after this hook (its own is trylast).
-        _register_xdist_hooks(config)
-        watch_failures(config)  # workers' failures arrive at any time
+        _register_xdist_hooks(config).register_worker_reports(config)
     if state.settings.session and not inside_a_test:
         lifecycle.enter_session_scope(session, state)
 

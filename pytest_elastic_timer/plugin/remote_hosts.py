@@ -73,20 +73,13 @@ def _fitting(record: dict[str, Any]) -> dict[str, Any]:
 
 
 class RemoteRecords:
-    """Controller plugin: records of other hosts, from reports and workers' output."""
+    """Controller plugin: records of other hosts, from workers' output (those that
+    come with a report are forwarded by ``xdist_support.WorkerReports``)."""
 
     NAME = "elastic_timer_remote_records"
 
     def __init__(self, state: SessionState) -> None:
         self.state = state
-
-    # A wrapper: the records are in before any plugin reads them for this report.
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_logreport(self, report: pytest.TestReport) -> Generator[None, None, None]:
-        found = report.__dict__.pop(RECORDS_ATTRIBUTE, None)
-        if found:
-            forward(found)
-        return (yield)
 
     def pytest_testnodeready(self, node: Any) -> None:
         # The session's workers, in its report: those of other hosts never register

@@ -98,15 +98,21 @@ def watch_failures_of(config: pytest.Config, exc: BaseException) -> None:
     failure to try again. An interrupt (a scope still open: the session's, one a
     conftest's hook wrapper entered) waits for the loading, which it would cut short
     and be lost in."""
-    if isinstance(exc, pytest.skip.Exception):
-        return
+    if not isinstance(exc, pytest.skip.Exception):
+        try_watch_failures(config)
+
+
+def try_watch_failures(config: pytest.Config) -> bool:
+    """:func:`watch_failures`, tried twice, with interrupts held meanwhile (see
+    :func:`watch_failures_of`); whether the plugins are loaded."""
     with scopes.holding_interrupts():
         for _ in range(2):
             try:
                 watch_failures(config)
-                return
+                return True
             except Exception:
                 continue
+    return False
 
 
 class RunningTest:

@@ -73,6 +73,48 @@ class ExpiryRepr(TerminalRepr):
 
 
 # -- controller ----------------------------------------------------------------------
+class WorkerReports:
+    """Controller plugin: the one hook every report of the workers goes through. A
+    hook implementation costs each report a call, and a session has thousands: the
+    records of other hosts that a report carries are handed to this host's watchdog
+    here, and a failed report, once that is done, to the failed-report plugins
+    (``expiry.note_failed_report``), which load at the first."""
+
+    NAME = "elastic_timer_worker_reports"
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.note_failed: Callable[[pytest.Config, pytest.TestReport], None] | None = None
+
+    # tryfirst: the failed report's facts are in before other plugins (the terminal,
+    # JUnit) see it.
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        found = report.__dict__.pop(remote_hosts.RECORDS_ATTRIBUTE, None)
+        if found:
+            remote_hosts.forward(found)  # before the failed report looks for them
+        if report.failed:
+            note_failed = self.note_failed or self._load_failed_reports()
+            if note_failed is not None:
+                note_failed(self.config, report)
+
+    def _load_failed_reports(self) -> Callable[[pytest.Config, pytest.TestReport], None] | None:
+        from pytest_elastic_timer.plugin import running
+
+        if not running.try_watch_failures(self.config):
+            return None  # tried again at the next failed report
+        from pytest_elastic_timer.plugin import expiry
+
+        self.note_failed = expiry.note_failed_report
+        return self.note_failed
+
+
+def register_worker_reports(config: pytest.Config) -> None:
+    """Register :class:`WorkerReports` (once), in a controller that starts workers."""
+    if not config.pluginmanager.has_plugin(WorkerReports.NAME):
+        config.pluginmanager.register(WorkerReports(config), WorkerReports.NAME)
+
+
 def pytest_configure_node(node: Any) -> None:
     address = os.environ.get(client.ENV_ADDRESS)
     if address:
