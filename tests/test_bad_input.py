@@ -7,11 +7,16 @@ import os
 import re
 import subprocess
 import sys
+import time
+from decimal import Decimal
+from fractions import Fraction
+from typing import Any
 
 import pytest
 from helpers import Session, failure_block, run
 
 import pytest_elastic_timer as et
+from pytest_elastic_timer.scope import scopes
 
 # test file name -> (marker arguments, text the error must contain)
 BAD_MARKERS = {
@@ -255,6 +260,147 @@ def test_timer_request_rejects_bad_numbers(after: float) -> None:
         et.TimerRequest(after)
     with pytest.raises(ValueError, match="grace must be a finite number >= 0"):
         et.expires(1, grace=after)
+
+
+# -- a number of seconds of another type is the number it holds -------------------------
+def numpy() -> Any:
+    """numpy, or the test is skipped."""
+    return pytest.importorskip("numpy", reason="numpy makes the numbers of other types")
+
+
+def assert_taken_as(value: object, seconds: float) -> None:
+    """Every place that takes seconds in the scope API takes ``value``, and holds it as
+    the plain float ``seconds`` (a numpy scalar would reach the JSON report and the
+    scope table)."""
+    timer = et.TimerRequest(value, grace=value)  # type: ignore[arg-type]
+    assert (timer.after, timer.grace) == (seconds, seconds)
+    assert type(timer.after) is float and type(timer.grace) is float
+    assert et.expires(value).after == seconds  # type: ignore[arg-type]
+    later = et.TimerRequest(None)
+    later.extend(value)  # type: ignore[arg-type]
+    assert later.after == seconds and type(later.after) is float
+    later.reschedule(value)  # type: ignore[arg-type]
+    assert later.after == seconds and type(later.after) is float
+    scale = scopes.process_state().scale
+    with et.expires(value, "other-type") as scope:  # type: ignore[arg-type]
+        assert scope.budget == pytest.approx(seconds * scale)
+        scope.extend(value)  # type: ignore[arg-type]
+        assert scope.budget == pytest.approx(2 * seconds * scale)
+        scope.reschedule(value)  # type: ignore[arg-type]
+        assert 0 < scope.expires() <= seconds * scale
+        assert type(scope.deadline) is float
+
+
+@pytest.mark.parametrize("kind", ["int64", "int32", "uint8", "float16", "float32", "longdouble"])
+def test_a_numpy_number_is_taken_as_the_seconds_it_holds(kind: str) -> None:
+    """A budget computed with numpy (a world size times a step time) was a TypeError,
+    but for float64, which is a float (and was taken)."""
+    assert_taken_as(getattr(numpy(), kind)(2), 2.0)
+
+
+@pytest.mark.parametrize("value", [Fraction(3, 2), Decimal("1.5")], ids=["Fraction", "Decimal"])
+def test_a_fraction_or_a_decimal_is_taken_as_the_seconds_it_holds(value: object) -> None:
+    assert_taken_as(value, 1.5)
+
+
+def test_numbers_of_other_types_that_are_no_budget_are_refused_naming_them() -> None:
+    """The rule is the one for int and float: finite and >= 0 (a ValueError), a number
+    and no bool (a TypeError), and each error names the value as it was given."""
+    np = numpy()
+    for value in (
+        np.float32("nan"),
+        np.float64("inf"),
+        np.int64(-1),
+        np.longdouble("1e400"),  # finite for numpy, too large for a float
+        Fraction(-1, 2),
+        Fraction(10**400),
+        Decimal("NaN"),
+        Decimal("sNaN"),  # which float() refuses with a ValueError of its own
+    ):
+        refused = f"must be a finite number >= 0, not {value!r}"
+        with pytest.raises(ValueError, match=re.escape(f"after {refused}")):
+            et.TimerRequest(value)
+        with pytest.raises(ValueError, match=re.escape(f"grace {refused}")):
+            et.expires(1, grace=value)
+    # numpy's bool is a bool; an array is no number; a timedelta64 may count anything
+    # but seconds; numpy's str is text.
+    for value in (np.bool_(True), np.array([1, 2]), np.timedelta64(5, "ms"), np.str_("1")):
+        with pytest.raises(TypeError, match=re.escape(f"number of seconds, not {value!r}")):
+            et.TimerRequest(value)
+        with et.expires(5) as scope, pytest.raises(TypeError, match="seconds must be a number"):
+            scope.extend(value)
+
+
+def test_the_torch_client_takes_a_time_of_another_type() -> None:
+    """A Decimal or an integer of another library is a time.time() value too; a numpy
+    timedelta64 is none (a TypeError of numpy's own, which named no argument)."""
+    np = numpy()
+    client = et.TimerClient()
+    scale = scopes.process_state().scale
+    for value in (Decimal(repr(time.time() + 30)), np.int64(int(time.time()) + 30)):
+        client.acquire("other-type", value)
+        scope = et.current_scope()
+        assert scope is not None and scope.scope == "other-type"
+        assert 25 * scale < scope.expires() <= 31 * scale
+        client.release("other-type")
+        assert et.current_scope() is None
+    with pytest.raises(TypeError, match=r"expiration_time must be a time\.time\(\) value"):
+        client.acquire("other-type", np.timedelta64(5, "s"))
+
+
+NUMPY_MARKERS = """
+import time
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+
+BUDGETS = {"setup": np.int64(20), "teardown": Fraction(20), "grace": np.int32(1)}
+
+
+@pytest.mark.expires(np.float32(0.5), **BUDGETS)
+def test_hang():
+    time.sleep(30)
+
+
+@pytest.mark.expires(np.int64(20))
+def test_steps(elastic_timer):
+    assert elastic_timer.budget == 20.0 and type(elastic_timer.budget) is float
+    with elastic_timer.step("step", np.float32(2)) as step:
+        assert step.budget == 2.0
+
+
+@pytest.mark.expires(np.float32("nan"))
+def test_nan():
+    pass
+
+
+@pytest.mark.expires(1, setup=np.bool_(True))
+def test_bool():
+    pass
+"""
+
+
+@pytest.mark.parametrize("dist", ["one process", "xdist"])
+def test_numpy_numbers_in_a_marker_are_budgets(pytester: pytest.Pytester, dist: str) -> None:
+    """A marker takes the numbers the scope API takes, under xdist too (a worker sends
+    its budgets to the controller), and the JSON report holds them as numbers; one that
+    is no budget is an error of its test alone that names it."""
+    numpy()
+    pytester.makepyfile(test_np=NUMPY_MARKERS)
+    args = ("-p", "xdist", "-n", "1") if dist == "xdist" else ()
+    session = run(pytester, *args)
+    session.assert_clean()
+    session.result.assert_outcomes(passed=1, failed=1, errors=2)
+    record = session.assert_expired("test_hang", "test_hang::call", 0.5)
+    assert type(record["budget"]) is float
+    for test, error in (
+        ("test_nan", "seconds must be a finite number >= 0, not np.float32(nan)"),
+        ("test_bool", "setup must be a number of seconds, not np.True_"),
+    ):
+        errors = [s for s in session.lines if s.startswith(f"test_np.py::{test}: ")]
+        assert len(errors) == 1 and errors[0].endswith(error), session.stdout
 
 
 ON_ITS_OWN = {"PYTEST_ELASTIC_TIMER": "", "PYTEST_ELASTIC_TIMER_SCALE": ""}

@@ -23,6 +23,7 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -429,6 +430,32 @@ def test_bad_arguments_are_refused_before_asking(dog: Watchdog) -> None:
         et.Event("")
     with pytest.raises(RuntimeError, match="not held"):
         et.lock("l", 1).release()
+
+
+def test_numbers_of_other_types_are_timeouts_and_parties(dog: Watchdog) -> None:
+    """A world size or a timeout computed with numpy, or a Fraction, is the number it
+    holds (it was a TypeError), sent to the watchdog as a plain number. A float is
+    still no count of parties, not even 2.0, and numpy's bool is no number."""
+    np = pytest.importorskip("numpy", reason="numpy makes the numbers of other types")
+    assert et.barrier("other-type", np.int64(1), np.float32(0.5)) == 0
+    with pytest.raises(et.BarrierTimeout) as info:
+        et.barrier("other-type-late", np.int32(2), np.float32(0.25), label="rank 0")
+    assert info.value.budget == 0.25 and type(info.value.parties) is int
+    assert info.value.parties == 2
+    (record,) = dog.records
+    assert record.scope == "barrier:other-type-late" and record.budget == 0.25
+    event = et.Event("other-type")
+    event.set()
+    assert event.wait(Fraction(1, 2)) is True
+    held = et.lock("other-type", np.uint16(5))
+    assert held.timeout == 5.0 and type(held.timeout) is float
+    with held:
+        assert held.held
+    for parties in (np.float64(2.0), np.bool_(True)):
+        with pytest.raises(TypeError, match=re.escape(f"must be an int, not {parties!r}")):
+            et.barrier("b", parties, 1)
+    with pytest.raises(ValueError, match=r"timeout must be a finite number >= 0, not np"):
+        et.lock("l", np.float32("nan"))
 
 
 def test_a_timeout_of_centuries_waits_as_forever_does(dog: Watchdog) -> None:

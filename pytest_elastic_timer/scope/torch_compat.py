@@ -11,7 +11,6 @@ by :func:`configure_torch`.
 from __future__ import annotations
 
 import math
-import numbers
 import os
 import sys
 import threading
@@ -20,6 +19,7 @@ from types import FrameType
 from typing import Any, cast
 
 from pytest_elastic_timer.core import unpatched
+from pytest_elastic_timer.core.seconds import as_number
 from pytest_elastic_timer.scope.scopes import TimerRequest
 
 # Frames of these files are skipped when looking for the line that entered a scope:
@@ -60,13 +60,12 @@ class TimerClient:
         """Open scope ``scope_id`` that expires at wall-clock ``expiration_time``."""
         # torch's expires() read time.time() just before, as this does: on the same clock
         # (a frozen one, while a test freezes time), whatever the test did to it.
-        value: object = expiration_time  # untyped callers pass anything
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(f"expiration_time must be a time.time() value, not {value!r}")
-        try:
-            expiration = float(value)
-        except OverflowError:  # an int too big for a float: no time either
-            expiration = math.inf
+        # Untyped callers pass anything: any number that a budget may be is a time too
+        # (a numpy scalar, a Decimal; an int too big for a float is inf), a bool or text
+        # is none.
+        expiration = as_number(expiration_time)
+        if expiration is None:
+            raise TypeError(f"expiration_time must be a time.time() value, not {expiration_time!r}")
         if not math.isfinite(expiration):
             raise ValueError(
                 f"expiration_time must be a finite time.time() value, not {expiration_time!r}"

@@ -15,6 +15,8 @@ holder that dies releases it. Without a watchdog (plain ``python``) every call r
 
 from __future__ import annotations
 
+import contextlib
+import operator
 import os
 import socket
 import sys
@@ -327,6 +329,15 @@ def _check_timeout(timeout: object, what: str) -> float:
     return check_seconds(timeout, f"{what} timeout")
 
 
+def _check_parties(parties: object) -> int:
+    # An integer of any library (numpy's int64 from a world size), as a plain int for
+    # the wire; never a bool, nor a float, even 2.0.
+    if not isinstance(parties, bool):
+        with contextlib.suppress(TypeError, ValueError):
+            return operator.index(parties)  # type: ignore[arg-type]
+    raise TypeError(f"barrier parties must be an int, not {parties!r}")
+
+
 def _check_label(label: object) -> str | None:
     if label is not None and not isinstance(label, str):
         raise TypeError(f"label must be a str or None, not {label!r}")
@@ -400,8 +411,7 @@ def barrier(name: str, parties: int, timeout: float, *, label: str | None = None
     """
     __tracebackhide__ = True  # pytest shows the caller's line, not ours
     _check_name(name, "barrier")
-    if isinstance(parties, bool) or not isinstance(parties, int):
-        raise TypeError(f"barrier parties must be an int, not {parties!r}")
+    parties = _check_parties(parties)
     if not 1 <= parties <= protocol.MAX_PARTIES:
         raise ValueError(f"barrier parties must be between 1 and {protocol.MAX_PARTIES}")
     seconds = _check_timeout(timeout, "barrier")
