@@ -186,6 +186,58 @@ def test_bad_option_values_are_usage_errors(
 
 
 @pytest.mark.parametrize(
+    ("given", "error"),
+    [
+        ("--elastic-timer-report=", "--elastic-timer-report must be a path, not ''"),
+        ("--elastic-timer-trace=  ", "--elastic-timer-trace must be a path, not '  '"),
+        (
+            "pytest.ini: elastic_timer_report =",
+            "ini option 'elastic_timer_report' must be a path, not ''",
+        ),
+        (
+            'pyproject.toml: elastic_timer_trace = " "',
+            "ini option 'elastic_timer_trace' must be a path, not ' '",
+        ),
+        (
+            'pyproject.toml: elastic_timer_report = "a\\u0000b"',
+            "ini option 'elastic_timer_report' must be a path, not 'a\\x00b'",
+        ),
+        ("pytest.ini: expires =", "ini option 'expires' must be a number of seconds, not ''"),
+        (
+            "pytest.ini: elastic_timer_leaks =",
+            "ini option 'elastic_timer_leaks' must be one of kill, warn, off, auto, not ''",
+        ),
+    ],
+)
+def test_an_empty_value_is_a_usage_error_not_no_value(
+    pytester: pytest.Pytester, given: str, error: str
+) -> None:
+    """``--elastic-timer-report=$REPORT`` with REPORT unset, or an ini key left without
+    a value, was no option at all: the session ran without its report or trace and said
+    nothing. A blank path wrote a file named by blanks, and a NUL byte (which TOML can
+    hold) was an INTERNALERROR."""
+    args: tuple[str, ...] = ()
+    if given.startswith("pytest.ini: "):
+        pytester.makeini(f"[pytest]\n{given.split(': ', 1)[1]}\n")
+    elif given.startswith("pyproject.toml: "):
+        pytester.makepyprojecttoml(f"[tool.pytest.ini_options]\n{given.split(': ', 1)[1]}\n")
+    else:
+        args = (given,)
+    pytester.makepyfile(test_ok="def test_ok():\n    pass\n")
+    before = set(os.listdir(pytester.path))
+    session = run(pytester, *args, report=False)
+    session.assert_clean()
+    assert session.result.ret == pytest.ExitCode.USAGE_ERROR
+    errors = [s for s in session.stderr.splitlines() if s.startswith("ERROR: ")]
+    assert errors == [f"ERROR: {error}"], session.stderr
+    assert session.watchdog_pid is None
+    # No file written: the inner pytest's output and its base temporary directory are
+    # all that is new.
+    new = {name for name in os.listdir(pytester.path) if name not in before}
+    assert {name for name in new if not name.startswith("runpytest")} == {"stdout", "stderr"}
+
+
+@pytest.mark.parametrize(
     ("line", "error"),
     [
         ('elastic_timer_report = ["a"]', "ini option 'elastic_timer_report' must be a path"),

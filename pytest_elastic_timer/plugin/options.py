@@ -89,7 +89,9 @@ def option(config: pytest.Config, name: str) -> tuple[str, Any]:
         # INTERNALERROR where warnings are errors.
         warnings.simplefilter("ignore", pytest.PytestDeprecationWarning)
         value = config.getini(name)
-    if value not in (None, ""):
+    # None: the key is not in the file. A key given without a value (`expires =`) is a
+    # value, and a bad one: read_settings says so, as for `--expires=` on the command line.
+    if value is not None:
         return f"ini option {name!r}", value
     return "", None
 
@@ -120,11 +122,16 @@ def read_settings(config: pytest.Config) -> Settings:
 
     def path(name: str) -> str | None:
         where, raw = option(config, name)
-        if raw is not None and not isinstance(raw, str):  # a TOML list or table
+        if raw is None:
+            return None
+        # Not a string: a TOML list or table. Blank: most often a variable that was not
+        # set (`--elastic-timer-report=$REPORT`), which would leave the session without
+        # its file, or write one named by blanks. A NUL byte no file name can hold.
+        if not isinstance(raw, str) or not raw.strip() or "\0" in raw:
             raise pytest.UsageError(f"{where} must be a path, not {raw!r}")
-        if raw and os.path.isdir(raw):  # said now, not after every test has run
+        if os.path.isdir(raw):  # said now, not after every test has run
             raise pytest.UsageError(f"{where} must be the path of a file, not a directory: {raw!r}")
-        return raw or None
+        return raw
 
     def choice(name: str, allowed: tuple[str, ...], default: str) -> str:
         where, raw = option(config, name)
