@@ -1064,6 +1064,21 @@ def test_an_output_path_that_is_a_directory_is_a_usage_error(
 
 
 @pytest.mark.parametrize("option", ["--elastic-timer-report", "--elastic-timer-trace"])
+def test_an_output_path_that_ends_in_a_separator_is_a_usage_error(
+    pytester: pytest.Pytester, option: str
+) -> None:
+    """``out/`` names a directory, there or not: the output went to a file ``out``."""
+    pytester.makepyfile(test_ok="def test_ok():\n    pass\n")
+    session = run(pytester, f"{option}=out/", report=False)
+    session.assert_clean()
+    assert session.result.ret == pytest.ExitCode.USAGE_ERROR
+    assert f"ERROR: {option} must be the path of a file, not a directory: 'out/'" in (
+        session.stderr
+    )
+    assert not (pytester.path / "out").exists()
+
+
+@pytest.mark.parametrize("option", ["--elastic-timer-report", "--elastic-timer-trace"])
 def test_an_output_path_that_is_a_link_or_a_pipe_is_written_through(
     pytester: pytest.Pytester, option: str
 ) -> None:
