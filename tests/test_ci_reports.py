@@ -1078,6 +1078,48 @@ def test_an_output_path_that_ends_in_a_separator_is_a_usage_error(
     assert not (pytester.path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (
+            ("--elastic-timer-report=out.json", "--elastic-timer-trace=./out.json"),
+            "--elastic-timer-trace must be a file of its own, not the file of "
+            "--elastic-timer-report: './out.json'",
+        ),
+        (
+            ("--junitxml=out.json", "--elastic-timer-report=sub/../out.json"),
+            "--elastic-timer-report must be a file of its own, not the file of --junitxml: "
+            "'sub/../out.json'",
+        ),
+        (
+            ("--junitxml=out.json", "--elastic-timer-trace=link.json"),
+            "--elastic-timer-trace must be a file of its own, not the file of --junitxml: "
+            "'link.json'",
+        ),
+        (
+            ("-o", "elastic_timer_report=out.json", "--elastic-timer-trace=out.json"),
+            "--elastic-timer-trace must be a file of its own, not the file of "
+            "ini option 'elastic_timer_report': 'out.json'",
+        ),
+    ],
+    ids=["report-trace", "junit-report", "junit-trace-by-a-link", "ini-report-trace"],
+)
+def test_two_outputs_in_one_file_are_a_usage_error(
+    pytester: pytest.Pytester, args: tuple[str, ...], error: str
+) -> None:
+    """The JSON report, the trace and pytest's JUnit XML each overwrote the other when
+    given one file: one of them was lost, and nothing said so."""
+    pytester.makepyfile(test_ok="def test_ok():\n    pass\n")
+    (pytester.path / "link.json").symlink_to("out.json")  # not there yet: it is followed
+    session = run(pytester, *args, report=False)
+    session.assert_clean()
+    assert session.result.ret == pytest.ExitCode.USAGE_ERROR
+    errors = [s for s in session.stderr.splitlines() if s.startswith("ERROR: ")]
+    assert errors == [f"ERROR: {error}"], session.stderr
+    assert session.watchdog_pid is None
+    assert not (pytester.path / "out.json").exists()
+
+
 @pytest.mark.parametrize("option", ["--elastic-timer-report", "--elastic-timer-trace"])
 def test_an_output_path_that_is_a_link_or_a_pipe_is_written_through(
     pytester: pytest.Pytester, option: str

@@ -151,7 +151,7 @@ def read_settings(config: pytest.Config) -> Settings:
         except ValueError as exc:
             raise pytest.UsageError(str(exc)) from None
 
-    return Settings(
+    settings = Settings(
         expires=seconds("expires", 0.0),
         grace=seconds("elastic_timer_grace", DEFAULT_GRACE),
         scale=seconds("elastic_timer_scale", 1.0, allow_zero=False, kind="a number"),
@@ -161,3 +161,28 @@ def read_settings(config: pytest.Config) -> Settings:
         leaks=choice("elastic_timer_leaks", LEAK_MODES, "auto"),
         slow=fraction("elastic_timer_slow", DEFAULT_SLOW),
     )
+    check_distinct_files(config, settings)
+    return settings
+
+
+def check_distinct_files(config: pytest.Config, settings: Settings) -> None:
+    """A usage error if two of the session's output files are one file: pytest's JUnit
+    XML, the JSON report and the trace would each overwrite the other."""
+    junit = config.getoption("xmlpath", None)
+    files = [
+        # As pytest's junitxml reads its path (ci/junit.py's junit_path). First: the
+        # error names the plugin's own option, the one to change.
+        ("--junitxml", junit, os.path.expanduser(os.path.expandvars(junit)) if junit else None),
+        (*option(config, "elastic_timer_report"), settings.report),
+        (*option(config, "elastic_timer_trace"), settings.trace),
+    ]
+    seen: dict[str, str] = {}
+    for where, given, path in files:
+        if path is None:
+            continue
+        real = os.path.realpath(path)  # a symbolic link is followed when written
+        if real in seen:
+            raise pytest.UsageError(
+                f"{where} must be a file of its own, not the file of {seen[real]}: {given!r}"
+            )
+        seen[real] = where
