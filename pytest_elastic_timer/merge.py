@@ -137,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-o", "--output", metavar="PATH", help="write the merged report here")
     parser.add_argument("-q", "--quiet", action="store_true", help="do not print the summary")
     args = parser.parse_args(argv)
+    if args.output is not None and not args.output.strip():
+        # `-o "$OUT"` with OUT unset: said, not a merge that writes nothing.
+        parser.error(f"-o/--output must be a path, not {args.output!r}")
     try:
         loaded = [(path, load(path)) for path in args.reports]
     except BadReport as exc:

@@ -947,6 +947,23 @@ def test_the_timeline_command_names_a_file_it_cannot_draw(
     assert not page.exists()
 
 
+@pytest.mark.parametrize("page", ["", " "])
+def test_the_timeline_command_refuses_an_empty_page_path(tmp_path: Path, page: str) -> None:
+    """``--html "$OUT"`` with OUT unset was "cannot write ''", and a blank one wrote a
+    page named by blanks; both are said as what they are."""
+    (tmp_path / "trace.json").write_text('{"traceEvents": []}', encoding="utf-8")
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest_elastic_timer.ci.trace", "trace.json", "--html", page],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert f"error: --html must be a path, not {page!r}" in done.stderr, done.stderr
+    assert sorted(os.listdir(tmp_path)) == ["trace.json"]
+
+
 def test_the_timeline_of_a_scope_named_from_a_non_utf8_file_name(
     pytester: pytest.Pytester,
 ) -> None:

@@ -9,6 +9,7 @@ that the package's JSON Schema accepts, every record naming the machine it came 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -140,3 +141,24 @@ def test_a_report_with_a_record_that_is_not_one_is_refused(tmp_path: Path, recor
     assert "Traceback" not in done.stderr
     assert f"{bad}: " in done.stderr and "expired" in done.stderr, done.stderr
     assert not (tmp_path / "all.json").exists()
+
+
+@pytest.mark.parametrize("output", ["", "  "])
+def test_an_empty_output_path_is_refused(tmp_path: Path, output: str) -> None:
+    """``-o "$OUT"`` with OUT unset merged, printed its summary and wrote nothing, with
+    exit status 0 (or wrote a file named by blanks)."""
+    report = tmp_path / "one.json"
+    report.write_text(json.dumps({"version": 1, "expired": [], "session": {}}))
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest_elastic_timer.merge", str(report), "-o", output],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert f"error: -o/--output must be a path, not {output!r}" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stdout == ""  # refused before merging
+    assert sorted(os.listdir(tmp_path)) == ["one.json"]

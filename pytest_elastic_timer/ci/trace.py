@@ -485,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("trace", help="a trace written by --elastic-timer-trace")
     parser.add_argument("--html", required=True, help="write an HTML timeline here")
     args = parser.parse_args(argv)
+    if not args.html.strip():  # `--html "$OUT"` with OUT unset, or a file named by blanks
+        parser.error(f"--html must be a path, not {args.html!r}")
     try:
         with open(args.trace, encoding="utf-8") as f:
             trace = json.load(f)
