@@ -89,9 +89,11 @@ def option(config: pytest.Config, name: str) -> tuple[str, Any]:
         # INTERNALERROR where warnings are errors.
         warnings.simplefilter("ignore", pytest.PytestDeprecationWarning)
         value = config.getini(name)
-    # None: the key is not in the file. A key given without a value (`expires =`) is a
-    # value, and a bad one: read_settings says so, as for `--expires=` on the command line.
-    if value is not None:
+    # None: the key is not in the file. Empty: set to nothing, which is pytest's way
+    # (`-o elastic_timer_report=`) to switch off what an ini file sets. On the command
+    # line an empty value is a bad value (read_settings says so): most often a variable
+    # that was not set (`--elastic-timer-report=$REPORT`).
+    if value not in (None, ""):
         return f"ini option {name!r}", value
     return "", None
 
