@@ -1137,6 +1137,22 @@ def test_two_outputs_in_one_file_are_a_usage_error(
     assert not (pytester.path / "out.json").exists()
 
 
+def test_outputs_may_share_a_file_that_is_not_replaced(pytester: pytest.Pytester) -> None:
+    """``/dev/null`` (or a pipe, a terminal) is written into by each output that names
+    it, never replaced: several outputs may name it, as a CI job that sends them to its
+    log or away does."""
+    pytester.makepyfile(test_ok="def test_ok():\n    pass\n")
+    session = run(
+        pytester,
+        "--junitxml=/dev/null",
+        "--elastic-timer-report=/dev/null",
+        "--elastic-timer-trace=/dev/null",
+        report=False,
+    )
+    session.assert_clean()
+    session.result.assert_outcomes(passed=1)
+
+
 @pytest.mark.parametrize("option", ["--elastic-timer-report", "--elastic-timer-trace"])
 def test_an_output_path_that_is_a_link_or_a_pipe_is_written_through(
     pytester: pytest.Pytester, option: str
