@@ -649,21 +649,29 @@ def test_stuck():
 """
 
 
-def test_fallback_junit_after_kill_9(pytester: pytest.Pytester) -> None:
+@pytest.mark.parametrize("given", ["path", "with a variable"])
+def test_fallback_junit_after_kill_9(pytester: pytest.Pytester, given: str) -> None:
+    """The watchdog writes the JUnit file pytest was killed before writing, where pytest
+    would have: a path with a variable is expanded, as pytest expands it."""
     pytester.makepyfile(test_k=KILLED)
     junit = pytester.path / "junit.xml"
     output = pytester.path / "output.txt"
     report = pytester.path / REPORT_NAME
+    junit_arg = str(junit) if given == "path" else "$ELASTIC_TIMER_TEST_OUT/junit.xml"
     with open(output, "w") as out:
         proc = subprocess.Popen(
             [
                 *(sys.executable, "-m", "pytest", *LEAN, "-s"),
-                *(f"--junitxml={junit}", f"--elastic-timer-report={report}"),
+                *(f"--junitxml={junit_arg}", f"--elastic-timer-report={report}"),
             ],
             cwd=pytester.path,
             stdout=out,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={
+                **os.environ,
+                "PYTHONUNBUFFERED": "1",
+                "ELASTIC_TIMER_TEST_OUT": str(pytester.path),
+            },
         )
     try:
         give_up = time.monotonic() + 60

@@ -67,7 +67,7 @@ def start_watchdog(config: pytest.Config, state: SessionState) -> None:
             report=settings.report,
             session=session_facts(config, state),
             dump_signal=startup.session_dump_signal(),
-            junit_xml=config.getoption("xmlpath", None),
+            junit_xml=_junit_path(config),
             trace=bool(settings.trace),
         )
     except (launcher.WatchdogError, OSError) as exc:  # spawning it failed
@@ -94,6 +94,17 @@ def start_watchdog(config: pytest.Config, state: SessionState) -> None:
     state.put_back_scopes = scopes.set_aside()
     # Connect now; the answer to our hello is not waited for (see ProcessState).
     scopes.process_state().welcome_in_background = True
+
+
+def _junit_path(config: pytest.Config) -> str | None:
+    """The file pytest's JUnit XML goes to, for the watchdog's fallback file: with
+    ``~`` and ``$VARIABLES`` expanded, as pytest does (the CI outputs load only where
+    they are used)."""
+    if not config.getoption("xmlpath", None):
+        return None
+    from pytest_elastic_timer.ci.junit import junit_path
+
+    return junit_path(config)
 
 
 def warn_without_watchdog(config: pytest.Config, text: str) -> None:
