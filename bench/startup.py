@@ -10,7 +10,10 @@ Its output is read through pipes, as a shell or a CI step reads it: the command 
 the last process holding them lets go, which can be the watchdog. A third configuration,
 interleaved with them, gives the plugin a default budget (``--expires=30``): a session
 that uses the plugin, whose test runs in phase scopes and whose process becomes the leak
-check's subreaper (a session that does not use the plugin is left without one).
+check's subreaper (a session that does not use the plugin is left without one). A full
+run also counts the instructions of the pytest process of one session of each, plain
+and with the plugin (callgrind; the watchdog runs outside valgrind): repeatable where
+the wall clock of a shared machine is not.
 
 The package is measured as users get it: built into a wheel and installed in a virtual
 environment of its own, which sees this environment's other packages (pytest, xdist,
@@ -30,6 +33,8 @@ session: a watchdog, were one started, would run in a process of its own.
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -98,7 +103,30 @@ def _time(argv: list[str], env: dict[str, str], cwd: str) -> float:
     return elapsed
 
 
-def whole_sessions(rounds: int, python: str = common.PYTHON) -> dict[str, Any]:
+def _instructions(argv: list[str], env: dict[str, str], cwd: str) -> int | None:
+    """The instructions of the pytest process of ``argv`` alone (callgrind; the watchdog
+    runs outside valgrind), or None without valgrind. Repeatable from run to run, where
+    the wall clock of a shared machine is not."""
+    if shutil.which("valgrind") is None:
+        return None
+    with tempfile.TemporaryDirectory() as out:
+        path = os.path.join(out, "callgrind.out")
+        done = subprocess.run(
+            ["valgrind", "--tool=callgrind", f"--callgrind-out-file={path}", *argv],
+            env={**env, "PYTHONHASHSEED": "0"},
+            cwd=cwd,
+            capture_output=True,
+        )
+        if done.returncode != 0 or not os.path.exists(path):
+            return None
+        with open(path, "rb") as f:
+            match = re.search(rb"^(?:summary|totals):\s+(\d+)", f.read(), re.MULTILINE)
+    return int(match.group(1)) if match else None
+
+
+def whole_sessions(
+    rounds: int, python: str = common.PYTHON, instructions: bool = False
+) -> dict[str, Any]:
     env = common.clean_env(PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
     times: dict[str, list[float]] = {"plain": [], "plugin": [], "used": []}
     with tempfile.TemporaryDirectory() as directory:
@@ -114,13 +142,20 @@ def whole_sessions(rounds: int, python: str = common.PYTHON) -> dict[str, Any]:
         for _ in range(rounds):
             for name, argv in argvs.items():
                 times[name].append(_time(argv, env, directory))
-    return _summary(times)
+        counted = {
+            name: _instructions(argvs[name], env, directory) if instructions else None
+            for name in ("plain", "plugin")
+        }
+    summary = _summary(times)
+    if counted["plain"] and counted["plugin"]:
+        summary.update(plain_instructions=counted["plain"], plugin_instructions=counted["plugin"])
+    return summary
 
 
-def installed_sessions(rounds: int) -> dict[str, Any]:
+def installed_sessions(rounds: int, instructions: bool = False) -> dict[str, Any]:
     """:func:`whole_sessions` with the package installed from its wheel."""
     with tempfile.TemporaryDirectory() as directory:
-        return whole_sessions(rounds, _install_wheel(directory))
+        return whole_sessions(rounds, _install_wheel(directory), instructions)
 
 
 def _install_wheel(directory: str) -> str:
@@ -218,7 +253,8 @@ def measure(quick: bool) -> dict[str, Any]:
     result: dict[str, Any] = {}
     _compile_package()
     runs = (
-        ("session", installed_sessions),
+        # Instructions only in a full run: valgrind takes some seconds a session.
+        ("session", lambda rounds: installed_sessions(rounds, instructions=not quick)),
         ("development", whole_sessions),
         ("inner", inner_sessions),
     )
@@ -258,6 +294,13 @@ def render(result: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
                     f"a watchdog runs in a process of its own) | {r['runs']} "
                     f"| {r['plain_cpu_ms']:.0f} | {r['plugin_cpu_ms']:.0f} "
                     f"| {r['plugin_cpu_ms'] / r['plain_cpu_ms']:.2f}x |"
+                )
+            if "plugin_instructions" in r:
+                plain_i, plugin_i = r["plain_instructions"], r["plugin_instructions"]
+                lines.append(
+                    f"| … instructions of the pytest process (callgrind, once each; the "
+                    f"same from run to run) | 1 | {plain_i / 1e6:,.0f} M | "
+                    f"{plugin_i / 1e6:,.0f} M | {plugin_i / plain_i:.2f}x |"
                 )
             if "used_ms" in r:
                 lines.append(
