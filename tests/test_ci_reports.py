@@ -1089,6 +1089,32 @@ def test_an_output_path_that_is_a_directory_is_a_usage_error(
 
 
 @pytest.mark.parametrize("option", ["--elastic-timer-report", "--elastic-timer-trace"])
+def test_an_output_path_has_its_home_and_variables_expanded(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, option: str
+) -> None:
+    """As pytest expands ``--junitxml``'s path: ``~`` and ``$VARIABLES`` in the path of
+    the report or the trace, on the command line or in the ini file (where no shell
+    expands them), name the file they expand to, not a folder named ``$OUT``."""
+    pytester.makepyfile(test_ok="def test_ok():\n    pass\n")
+    home = pytester.mkdir("home")
+    out = pytester.mkdir("artifacts")
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("ELASTIC_TIMER_TEST_OUT", str(out))
+    by_variable = run(pytester, f"{option}=$ELASTIC_TIMER_TEST_OUT/out.json", report=False)
+    by_variable.assert_clean()
+    by_variable.result.assert_outcomes(passed=1)
+    assert (out / "out.json").is_file()
+    ini = option.removeprefix("--").replace("-", "_")
+    pytester.makeini(f"[pytest]\n{ini} = ~/out.json\n")
+    by_home = run(pytester, report=False)
+    by_home.assert_clean()
+    by_home.result.assert_outcomes(passed=1)
+    assert (home / "out.json").is_file()
+    assert not (pytester.path / "$ELASTIC_TIMER_TEST_OUT").exists()
+    assert not (pytester.path / "~").exists()
+
+
+@pytest.mark.parametrize("option", ["--elastic-timer-report", "--elastic-timer-trace"])
 def test_an_output_path_that_ends_in_a_separator_is_a_usage_error(
     pytester: pytest.Pytester, option: str
 ) -> None:

@@ -131,12 +131,14 @@ def read_settings(config: pytest.Config) -> Settings:
         # its file, or write one named by blanks. A NUL byte no file name can hold.
         if not isinstance(raw, str) or not raw.strip() or "\0" in raw:
             raise pytest.UsageError(f"{where} must be a path, not {raw!r}")
+        # `~` and `$VARIABLES` are expanded, as pytest expands --junitxml's path.
+        expanded = os.path.expanduser(os.path.expandvars(raw))
         # Said now, not after every test has run. A path that ends in a separator names
         # a directory too, one that may not be there yet (the output went to a file of
         # that name, without the separator).
-        if os.path.isdir(raw) or raw.endswith(os.sep):
+        if os.path.isdir(expanded) or expanded.endswith(os.sep):
             raise pytest.UsageError(f"{where} must be the path of a file, not a directory: {raw!r}")
-        return raw
+        return expanded
 
     def choice(name: str, allowed: tuple[str, ...], default: str) -> str:
         where, raw = option(config, name)
