@@ -6,6 +6,7 @@ is never signalled. This module imports nothing from pytest.
 
 from __future__ import annotations
 
+import os
 import signal
 from dataclasses import dataclass
 
@@ -32,7 +33,7 @@ class ProcessId:
     @classmethod
     def of(cls, pid: int) -> ProcessId | None:
         try:
-            return cls(pid, psutil.Process(pid).create_time())
+            return cls(pid, start_time(psutil.Process(pid)))
         except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
             return None
 
@@ -40,7 +41,7 @@ class ProcessId:
         """The live process with this identity, or None (gone, or pid reused)."""
         try:
             proc = psutil.Process(self.pid)
-            if proc.create_time() != self.started or proc.status() == psutil.STATUS_ZOMBIE:
+            if start_time(proc) != self.started or proc.status() == psutil.STATUS_ZOMBIE:
                 return None
             return proc
         except (psutil.NoSuchProcess, psutil.AccessDenied):
@@ -124,9 +125,28 @@ def is_descendant(pid: int, root: ProcessId) -> bool:
 
 def _started(proc: psutil.Process) -> float:
     try:
-        return proc.create_time()
+        return start_time(proc)
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return -1.0
+
+
+def start_time(proc: psutil.Process) -> float:
+    """When ``proc`` started, in seconds since the machine booted: what identifies it
+    beside its pid. Not psutil's ``create_time()``, seconds since the epoch, which adds
+    the boot time as the kernel says it at each call: a step of the system clock (a
+    virtual machine's clock set again) moves that by whole seconds, and the session's
+    root, compared with what was read at the start, was taken for another process,
+    every process of the session refused. Where there is no ``/proc`` to read,
+    psutil's ``create_time()``."""
+    try:
+        with _open(f"/proc/{proc.pid}/stat", "rb") as f:
+            fields = f.read().rpartition(b")")[2].split()
+        return int(fields[19]) / _CLOCK_TICKS  # starttime, the stat file's 22nd field
+    except (OSError, IndexError, ValueError):
+        return proc.create_time()
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def tree_of(owner: psutil.Process, spare: set[int]) -> list[psutil.Process]:

@@ -296,6 +296,32 @@ def test_process_identity_is_pid_and_start_time() -> None:
     assert ident.process() is None  # gone (reaped)
 
 
+def test_process_identity_survives_a_step_of_the_system_clock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """psutil's create_time() adds the boot time as the kernel says it at each call,
+    which moves by whole seconds where the system clock is set again (a virtual
+    machine's): the session's root then read as another process, and the watchdog
+    refused every process of the session. The identity is the time since boot."""
+    import psutil
+
+    child = subprocess.Popen([sys.executable, "-c", SLEEPER])
+    try:
+        me = proctree.ProcessId.of(os.getpid())
+        ident = proctree.ProcessId.of(child.pid)
+        assert me is not None and ident is not None
+        before = psutil.Process(child.pid).create_time()
+        stepped = psutil.boot_time() + 1.0
+        monkeypatch.setattr(psutil._pslinux, "boot_time", lambda: stepped)
+        assert psutil.Process(child.pid).create_time() == before + 1.0  # psutil's moved
+        assert ident.process() is not None
+        assert proctree.is_descendant(child.pid, me)
+        assert proctree.ProcessId.of(child.pid) == ident
+    finally:
+        child.kill()
+        child.wait()
+
+
 NS_LAST_PID = "/proc/sys/kernel/ns_last_pid"
 
 
