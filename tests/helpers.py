@@ -240,6 +240,15 @@ class Session:
         if self.watchdog_pid is not None:
             assert wait_gone(self.watchdog_pid, 3.0), "the watchdog outlived its session"
 
+    def assert_usage_error(self, error: str) -> None:
+        """pytest stopped with a usage error whose one ``ERROR:`` line says ``error``,
+        cleanly, before it started a watchdog."""
+        self.assert_clean()
+        assert self.result.ret == pytest.ExitCode.USAGE_ERROR
+        errors = [s for s in self.stderr.splitlines() if s.startswith("ERROR: ")]
+        assert errors == [f"ERROR: {error}"], self.stderr
+        assert self.watchdog_pid is None
+
 
 @contextlib.contextmanager
 def top_level_environment() -> Iterator[None]:

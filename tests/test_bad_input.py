@@ -216,11 +216,7 @@ def test_an_empty_value_is_a_usage_error_not_no_value(
     pytester.makepyfile(test_ok="def test_ok():\n    pass\n")
     before = set(os.listdir(pytester.path))
     session = run(pytester, *args, report=False)
-    session.assert_clean()
-    assert session.result.ret == pytest.ExitCode.USAGE_ERROR
-    errors = [s for s in session.stderr.splitlines() if s.startswith("ERROR: ")]
-    assert errors == [f"ERROR: {error}"], session.stderr
-    assert session.watchdog_pid is None
+    session.assert_usage_error(error)
     # No file written: the inner pytest's output and its base temporary directory are
     # all that is new.
     new = {name for name in os.listdir(pytester.path) if name not in before}

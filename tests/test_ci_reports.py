@@ -1163,11 +1163,7 @@ def test_two_outputs_in_one_file_are_a_usage_error(
     pytester.makepyfile(test_ok="def test_ok():\n    pass\n")
     (pytester.path / "link.json").symlink_to("out.json")  # not there yet: it is followed
     session = run(pytester, *args, report=False)
-    session.assert_clean()
-    assert session.result.ret == pytest.ExitCode.USAGE_ERROR
-    errors = [s for s in session.stderr.splitlines() if s.startswith("ERROR: ")]
-    assert errors == [f"ERROR: {error}"], session.stderr
-    assert session.watchdog_pid is None
+    session.assert_usage_error(error)
     assert not (pytester.path / "out.json").exists()
 
 

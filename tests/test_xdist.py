@@ -1081,6 +1081,24 @@ def test_the_session_expiring_in_a_session_fixtures_teardown_is_listed(
     assert any(line.startswith("scope 'session' expired after") for line in session.lines)
 
 
+def assert_stopped_by_the_session_budget_in(session: Session, phase: str, output: str) -> Any:
+    """The session's budget (1.5 s) ran out in a conftest's session hook after the
+    tests: ``output`` has the summary's line naming ``phase``, the JSON report has the
+    one record (returned) and exit status 2, and the session ended soon after."""
+    assert re.search(
+        r"^Interrupted: scope 'session' expired after [\d.]+s \(budget 1.5s\): "
+        rf"interrupted \(phase {phase}\)$",
+        output,
+        re.MULTILINE,
+    ), session.text
+    assert session.report is not None
+    (record,) = session.report["expired"]
+    assert record["scope"] == "session"
+    assert session.report["session"]["exitstatus"] == 2
+    assert session.seconds < 1.5 + 8, session.text
+    return record
+
+
 def test_the_session_expiring_in_a_conftest_sessionfinish_ends_with_its_summary(
     pytester: pytest.Pytester,
 ) -> None:
@@ -1092,18 +1110,9 @@ def test_the_session_expiring_in_a_conftest_sessionfinish_ends_with_its_summary(
         pytester, SESSION_HOOK_HANGS.format(hook="sessionfinish", hang="time.sleep(60)")
     )
     session.result.assert_outcomes(passed=2)
-    assert re.search(
-        r"^Interrupted: scope 'session' expired after [\d.]+s \(budget 1.5s\): "
-        r"interrupted \(phase sessionfinish\)$",
-        session.stdout,
-        re.MULTILINE,
-    ), session.text
+    record = assert_stopped_by_the_session_budget_in(session, "sessionfinish", session.stdout)
     assert "  phase:   sessionfinish" in session.lines
-    assert session.report is not None
-    (record,) = session.report["expired"]
-    assert (record["scope"], record["phase"]) == ("session", "sessionfinish")
-    assert session.report["session"]["exitstatus"] == 2
-    assert session.seconds < 1.5 + 8, session.text
+    assert record["phase"] == "sessionfinish"
 
 
 def test_the_session_expiring_in_a_conftest_terminal_summary_ends_with_status_2(
@@ -1118,18 +1127,9 @@ def test_the_session_expiring_in_a_conftest_terminal_summary_ends_with_status_2(
         pytester, SESSION_HOOK_HANGS.format(hook="terminal_summary", hang="time.sleep(60)")
     )
     session.result.assert_outcomes(passed=2)
-    assert re.search(
-        r"^Interrupted: scope 'session' expired after [\d.]+s \(budget 1.5s\): "
-        r"interrupted \(phase sessionfinish\)$",
-        session.stdout,
-        re.MULTILINE,
-    ), session.text
+    record = assert_stopped_by_the_session_budget_in(session, "sessionfinish", session.stdout)
     assert "elastic-timer: expired scopes" in session.stdout, session.text
-    assert session.report is not None
-    (record,) = session.report["expired"]
-    assert (record["scope"], record["phase"]) == ("session", "sessionfinish")
-    assert session.report["session"]["exitstatus"] == 2
-    assert session.seconds < 1.5 + 8, session.text
+    assert record["phase"] == "sessionfinish"
 
 
 def test_the_session_expiring_in_a_conftest_unconfigure_ends_with_status_2(
@@ -1144,17 +1144,7 @@ def test_the_session_expiring_in_a_conftest_unconfigure_ends_with_status_2(
     )
     session.result.assert_outcomes(passed=2)
     assert "Traceback" not in session.text and "pytest was ended" not in session.text
-    assert re.search(
-        r"^Interrupted: scope 'session' expired after [\d.]+s \(budget 1.5s\): "
-        r"interrupted \(phase unconfigure\)$",
-        session.text,
-        re.MULTILINE,
-    ), session.text
-    assert session.report is not None
-    (record,) = session.report["expired"]
-    assert record["scope"] == "session"
-    assert session.report["session"]["exitstatus"] == 2
-    assert session.seconds < 1.5 + 8, session.text
+    assert_stopped_by_the_session_budget_in(session, "unconfigure", session.text)
 
 
 def test_the_session_expiring_in_a_conftest_sessionstart_reports_status_2(
