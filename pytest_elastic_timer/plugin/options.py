@@ -173,10 +173,14 @@ def check_distinct_files(config: pytest.Config, settings: Settings) -> None:
     """A usage error if two of the session's output files are one file: pytest's JUnit
     XML, the JSON report and the trace would each overwrite the other."""
     junit = config.getoption("xmlpath", None)
+    junit_file = None
+    if junit:  # the CI outputs load only where they are used
+        from pytest_elastic_timer.ci.junit import junit_path
+
+        junit_file = junit_path(config)
     files = [
-        # As pytest's junitxml reads its path (ci/junit.py's junit_path). First: the
-        # error names the plugin's own option, the one to change.
-        ("--junitxml", junit, os.path.expanduser(os.path.expandvars(junit)) if junit else None),
+        # First: the error names the plugin's own option, the one to change.
+        ("--junitxml", junit, junit_file),
         (*option(config, "elastic_timer_report"), settings.report),
         (*option(config, "elastic_timer_trace"), settings.trace),
     ]
