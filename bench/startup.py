@@ -17,9 +17,13 @@ the wall clock of a shared machine is not.
 
 The package is measured as users get it: built into a wheel and installed in a virtual
 environment of its own, which sees this environment's other packages (pytest, xdist,
-psutil) through a path file, so nothing is downloaded. A second row times this checkout
-as installed for development (``pip install -e``), whose import finder every process,
-the watchdog too, loads at start.
+psutil) through a path file, so nothing is downloaded. In that environment, one more
+pair times the session where pytest cannot cache the bytecode it compiles
+(``PYTHONDONTWRITEBYTECODE=1``, as many container images set) with plugins loaded from
+their entry points, pytest's default, which marks every module of a plugin's
+distribution for assertion rewriting. A second row times this checkout as installed
+for development (``pip install -e``), whose import finder every process, the watchdog
+too, loads at start.
 
 A second pair does the same for an inner session started in-process by ``pytester``
 (the case of another plugin's own test suite, which runs many such sessions): the time
@@ -153,9 +157,54 @@ def whole_sessions(
 
 
 def installed_sessions(rounds: int, instructions: bool = False) -> dict[str, Any]:
-    """:func:`whole_sessions` with the package installed from its wheel."""
+    """:func:`whole_sessions` with the package installed from its wheel, and under
+    ``uncached``, :func:`uncached_sessions` in the same environment."""
     with tempfile.TemporaryDirectory() as directory:
-        return whole_sessions(rounds, _install_wheel(directory), instructions)
+        python = _install_wheel(directory)
+        result = whole_sessions(rounds, python, instructions)
+        try:
+            result["uncached"] = uncached_sessions(rounds, python)
+        except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
+            result["uncached"] = {"error": str(exc)[:500]}
+        return result
+
+
+def uncached_sessions(rounds: int, python: str) -> dict[str, Any]:
+    """The one-test session where pytest cannot cache the bytecode it compiles
+    (``PYTHONDONTWRITEBYTECODE=1``), with plugins loaded from their entry points, as
+    pytest does by default: pytest then marks every module of each plugin's
+    distribution for assertion rewriting. The other plugins of this environment are
+    blocked (``-p no:NAME``), so that both configurations load xdist and nothing else;
+    plain pytest blocks this one too."""
+    listed = subprocess.run(
+        [python, "-c", _LIST_PLUGINS], check=True, capture_output=True, text=True
+    ).stdout.split()
+    blocked = [arg for name in listed if name not in _KEPT for arg in ("-p", f"no:{name}")]
+    env = common.clean_env(PYTHONDONTWRITEBYTECODE="1")
+    env.pop("PYTEST_DISABLE_PLUGIN_AUTOLOAD", None)
+    times: dict[str, list[float]] = {"plain": [], "plugin": []}
+    with tempfile.TemporaryDirectory() as directory:
+        with open(os.path.join(directory, "test_one.py"), "w", encoding="utf-8") as f:
+            f.write(TEST)
+        base = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *blocked]
+        argvs = {
+            "plain": [*base, "-p", "no:elastic_timer", "test_one.py"],
+            "plugin": [*base, "test_one.py"],
+        }
+        for argv in argvs.values():
+            _time(argv, env, directory)
+        for _ in range(rounds):
+            for name, argv in argvs.items():
+                times[name].append(_time(argv, env, directory))
+    return _summary(times)
+
+
+# The names of the pytest plugins installed (entry points of the group pytest11).
+_LIST_PLUGINS = (
+    "import importlib.metadata as m; "
+    "print(*{e.name for d in m.distributions() for e in d.entry_points if e.group == 'pytest11'})"
+)
+_KEPT = {"elastic_timer", "xdist", "xdist.looponfail"}
 
 
 def _install_wheel(directory: str) -> str:
@@ -307,6 +356,18 @@ def render(result: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
                     f"| … with `{' '.join(USED)}`: the session uses the plugin (phase scopes, "
                     f"the leak check's subreaper) | {r['runs']} | {r['plain_ms']:.0f} "
                     f"| {r['used_ms']:.0f} | {r['used_ratio']:.2f}x |"
+                )
+            uncached = r.get("uncached", {})
+            what = (
+                "… where pytest cannot cache bytecode (`PYTHONDONTWRITEBYTECODE=1`, plugins "
+                "loaded from their entry points, others than xdist blocked)"
+            )
+            if "error" in uncached:
+                lines.append(f"| {what} | error: {uncached['error'][:200]} | | | |")
+            elif uncached:
+                lines.append(
+                    f"| {what} | {uncached['runs']} | {uncached['plain_ms']:.0f} "
+                    f"| {uncached['plugin_ms']:.0f} | {uncached['ratio']:.2f}x |"
                 )
     session = result.get("session", {})
     ratio = session.get("ratio")

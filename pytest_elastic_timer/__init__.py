@@ -15,7 +15,6 @@ which imports its modules from this package, loads none of the scope machinery.
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -77,7 +76,9 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    from pytest_elastic_timer.core.plain_imports import import_plainly
+
+    value = getattr(import_plainly(module), name)
     globals()[name] = value
     return value
 

@@ -8,12 +8,15 @@ sitecustomize chains to the one it shadows without undoing it.
 
 from __future__ import annotations
 
+import compileall
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -122,6 +125,101 @@ def test_the_plugin_loaded_by_the_packages_name_is_the_plugin(
     else:  # the marker is unknown without the plugin: an error under -W error
         result.assert_outcomes(errors=1)
         assert "Unknown pytest.mark.expires" in result.stdout.str()
+
+
+LOADERS_SUITE = """
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+import pytest_elastic_timer as et
+
+# Loaded through pytest's hook: the package, the plugin's package and the plugin module
+# pytest imports by its entry point, and what that module imports first.
+ENTRY = {
+    "pytest_elastic_timer",
+    "pytest_elastic_timer.plugin",
+    "pytest_elastic_timer.plugin.hooks",
+    "pytest_elastic_timer.core",
+    "pytest_elastic_timer.core.plain_imports",
+}
+
+
+@pytest.mark.expires(0.3)
+def test_hangs():
+    time.sleep(30)
+
+
+def test_lazy_name():
+    assert et.Event.__module__ == "pytest_elastic_timer.sync.client"
+
+
+def test_leaves_a_process_the_plugin_ends():
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+def test_zz_loaders():
+    assert "site" in et.__file__.split(os.sep)  # the copy installed as from a wheel
+    ours = {n: m for n, m in sys.modules.items() if n.split(".")[0] == "pytest_elastic_timer"}
+    rewritten = sorted(
+        n for n, m in ours.items() if type(m.__spec__.loader).__name__ == "AssertionRewritingHook"
+    )
+    assert set(rewritten) <= ENTRY
+    assert "pytest_elastic_timer.plugin.expiry" in ours  # loaded at the first failure
+    assert "pytest_elastic_timer.sync.client" in ours
+    assert "pytest_elastic_timer.watchdog.proctree" in ours  # the leftover process ended
+    assert not [f for f in sys.meta_path if type(f).__module__.startswith("pytest_elastic_timer")]
+"""
+
+
+def _installed_as_from_a_wheel(site: Path) -> Path:
+    """A copy of the package in ``site`` as pip installs it from a wheel: bytecode
+    compiled, beside a dist-info whose RECORD lists its files (what pytest marks for
+    assertion rewriting) and whose entry points name the plugin. A development install
+    lists only its import finder, so pytest rewrites none of it."""
+    source = Path(pytest_elastic_timer.__file__).parent
+    package = site / "pytest_elastic_timer"
+    shutil.copytree(source, package, ignore=shutil.ignore_patterns("__pycache__"))
+    compileall.compile_dir(package, quiet=1)
+    info = site / "pytest_elastic_timer-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: pytest-elastic-timer\nVersion: 0.1.0\n", encoding="utf-8"
+    )
+    (info / "entry_points.txt").write_text(
+        "[pytest11]\nelastic_timer = pytest_elastic_timer.plugin.hooks\n", encoding="utf-8"
+    )
+    files = sorted(p.relative_to(site).as_posix() for p in package.rglob("*") if p.is_file())
+    (info / "RECORD").write_text("".join(f"{name},,\n" for name in files), encoding="utf-8")
+    return site
+
+
+@pytest.mark.parametrize("workers", [[], ["-p", "xdist", "-n", "1"]], ids=["one", "xdist"])
+def test_where_pytest_cannot_cache_bytecode_it_does_not_compile_the_plugin_at_each_start(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, workers: list[str]
+) -> None:
+    """pytest marks every module of a plugin's distribution for assertion rewriting when
+    it loads plugins from entry points (its default). Under PYTHONDONTWRITEBYTECODE=1
+    (or where the installation is read-only) it would then compile the plugin's modules
+    from source at every start of pytest and of each xdist worker. Only the entry
+    module's few go through its hook: the modules it loads at start, at the first
+    failure, to end a leftover process and for a lazy public name come from their
+    bytecode, pytest does not warn about them, and no finder of the plugin stays on
+    ``sys.meta_path``."""
+    site = _installed_as_from_a_wheel(pytester.path / "site")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.delenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    pytester.makepyfile(test_loaders=LOADERS_SUITE)
+    pairs = zip(LEAN[::2], LEAN[1::2], strict=True)
+    lean = [arg for pair in pairs if not (workers and pair[1] == "no:xdist") for arg in pair]
+    result = pytester.runpytest_subprocess(*lean, "--elastic-timer-leaks=kill", *workers)
+    result.assert_outcomes(passed=3, failed=1, warnings=1)  # the warning: the leftover
+    assert "scope 'test_hangs::call' expired" in result.stdout.str()
+    assert "PytestAssertRewriteWarning" not in result.stdout.str() + result.stderr.str()
 
 
 THREAD_PER_TEST_SUITE = """

@@ -1353,24 +1353,28 @@ def test_an_expiry_whose_failure_is_reported_inside_the_call_reads_timeout(
 
 HELD_WHILE_LOADING_CONFTEST = """
 import time
-import sys
+from importlib.machinery import PathFinder
 
 import pytest
 import pytest_elastic_timer as et
 
-class SlowLoad:
-    # The report machinery takes a while to load, and the scope a conftest's hook
-    # wrapper entered around the whole test expires meanwhile.
-    def find_spec(self, name, path=None, target=None):
-        if name == "pytest_elastic_timer.plugin.expiry":
-            try:
-                time.sleep(0.6)
-            except et.ScopeExpired as exc:
-                print("RAISED WHILE LOADING", exc.scope)
-                raise
-        return None
+_find_spec = PathFinder.find_spec
 
-sys.meta_path.insert(0, SlowLoad())
+
+def slow_find_spec(name, path=None, target=None):
+    # The report machinery takes a while to load, and the scope a conftest's hook
+    # wrapper entered around the whole test expires meanwhile. (Python's path finder,
+    # which the plugin imports its own modules with.)
+    if name == "pytest_elastic_timer.plugin.expiry":
+        print("LOADING SLOWLY")
+        try:
+            time.sleep(0.6)
+        except et.ScopeExpired as exc:
+            print("RAISED WHILE LOADING", exc.scope)
+            raise
+    return _find_spec(name, path, target)
+
+PathFinder.find_spec = slow_find_spec
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item):
@@ -1394,26 +1398,29 @@ def test_an_interrupt_while_the_wrapper_loads_the_report_machinery_is_not_lost(
     # interrupt of the scope around the test waits for it, then comes again.
     session = run(pytester, "-s")
     session.assert_clean()
+    assert "LOADING SLOWLY" in session.stdout, session.stdout
     assert "RAISED WHILE LOADING" not in session.stdout, session.stdout
     assert session.record("protocol/hang")["action"] == "interrupted"
     assert session.record("protocol")["action"] == "interrupted"
 
 
 FIRST_LOAD_FAILS_CONFTEST = """
-import sys
+import os
+from importlib.machinery import PathFinder
 
-class FailsOnce:
+_find_spec = PathFinder.find_spec
+
+
+def fails_once_find_spec(name, path=None, target=None):
     # The report modules fail to load the first time they are asked for (as an import
-    # interrupted by a signal can fail), then load.
-    failed = False
+    # interrupted by a signal can fail), then load. (Python's path finder, which the
+    # plugin imports its own modules with.)
+    if name == "pytest_elastic_timer.plugin.expiry" and not os.path.exists("failed-once"):
+        open("failed-once", "w").close()
+        raise ImportError("not now")
+    return _find_spec(name, path, target)
 
-    def find_spec(self, name, path=None, target=None):
-        if name == "pytest_elastic_timer.plugin.expiry" and not FailsOnce.failed:
-            FailsOnce.failed = True
-            raise ImportError("not now")
-        return None
-
-sys.meta_path.insert(0, FailsOnce())
+PathFinder.find_spec = fails_once_find_spec
 """
 
 
@@ -1465,6 +1472,7 @@ def test_an_expiry_whose_report_machinery_fails_to_load_is_still_an_expiry(
         session.result.assert_outcomes(passed=int(phase == "teardown"), errors=1)
     assert re.search(r"^TIMEOUT test_hang.py::test_hang\b", session.stdout, re.M), session.stdout
     assert "ImportError" not in session.text
+    assert (pytester.path / "failed-once").exists()  # the first load did fail
     scope = "test_hang::setup" if phase == "setup" else f"test_hang::{phase}/hang"
     assert session.record(scope)["action"] == "interrupted"
 

@@ -18,6 +18,7 @@ import pytest
 from _pytest._code.code import ExceptionChainRepr, ReprEntryNative, ReprExceptionInfo
 
 from pytest_elastic_timer.core import records, unpatched
+from pytest_elastic_timer.core.plain_imports import plainly
 from pytest_elastic_timer.core.records import ExpiryRecord
 from pytest_elastic_timer.plugin import running
 from pytest_elastic_timer.plugin.lifecycle import SESSION_SCOPE, TEST_PHASES
@@ -44,7 +45,8 @@ CAUGHT_IN = "elastic_timer_caught_in"
 def _add_properties(report: pytest.TestReport, record: ExpiryRecord) -> None:
     """The scope's facts as ``user_properties``, named as in the JUnit file (imported
     here: only a failure needs it, and the XML module it brings costs start-up)."""
-    from pytest_elastic_timer.ci.junit_fallback import properties_of
+    with plainly():
+        from pytest_elastic_timer.ci.junit_fallback import properties_of
 
     have = {name for name, _ in report.user_properties}
     for name, value in properties_of(record):
@@ -324,7 +326,8 @@ def _add_process_sections(item: pytest.Item, report: pytest.TestReport) -> None:
                 )
             )
         elif record.collective:
-            from pytest_elastic_timer.core import collectives  # only for ranks' records
+            with plainly():
+                from pytest_elastic_timer.core import collectives  # only for ranks' records
 
             line = collectives.collective_line(record.collective, record.rank_stacks())
             report.sections.append(("elastic-timer: collective", line))
@@ -354,7 +357,8 @@ def _add_collective_sections(item: pytest.Item, report: pytest.TestReport) -> No
     directory = session_directory(item.config)
     if not directory:
         return
-    from pytest_elastic_timer.core import collectives  # a failed test's, once
+    with plainly():
+        from pytest_elastic_timer.core import collectives  # a failed test's, once
 
     found = collectives.rings_of_test(directory, item.nodeid)
     if any(collectives.died(ring) for ring in found):

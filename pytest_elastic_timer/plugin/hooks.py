@@ -11,7 +11,6 @@ are registered by name, only when the session uses them.
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Generator
 from types import ModuleType
@@ -19,29 +18,34 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_elastic_timer.core import torch_hook
-from pytest_elastic_timer.plugin import (
-    hookspecs,
-    in_process_sessions,
-    leaks,
-    lifecycle,
-    real_filesystem,
-    running,
-)
-from pytest_elastic_timer.plugin.budgets import BudgetBook, Budgets
-from pytest_elastic_timer.plugin.fixtures import elastic_timer as elastic_timer
-from pytest_elastic_timer.plugin.fixtures import elastic_timer_server as elastic_timer_server
-from pytest_elastic_timer.plugin.options import MARKER, add_options, any_given, read_settings
-from pytest_elastic_timer.plugin.state import (
-    SESSION,
-    SessionState,
-    expiry_records,
-    is_worker,
-    record_text,
-    uses_xdist,
-)
-from pytest_elastic_timer.plugin.torch_timer_file import TorchTimerFile
-from pytest_elastic_timer.scope import scopes
+from pytest_elastic_timer.core.plain_imports import import_plainly, plainly
+
+# From their bytecode, not compiled again by pytest's assertion rewriting at every
+# start where it cannot cache what it compiled (core/plain_imports.py says why).
+with plainly():
+    from pytest_elastic_timer.core import torch_hook
+    from pytest_elastic_timer.plugin import (
+        hookspecs,
+        in_process_sessions,
+        leaks,
+        lifecycle,
+        real_filesystem,
+        running,
+    )
+    from pytest_elastic_timer.plugin.budgets import BudgetBook, Budgets
+    from pytest_elastic_timer.plugin.fixtures import elastic_timer as elastic_timer
+    from pytest_elastic_timer.plugin.fixtures import elastic_timer_server as elastic_timer_server
+    from pytest_elastic_timer.plugin.options import MARKER, add_options, any_given, read_settings
+    from pytest_elastic_timer.plugin.state import (
+        SESSION,
+        SessionState,
+        expiry_records,
+        is_worker,
+        record_text,
+        uses_xdist,
+    )
+    from pytest_elastic_timer.plugin.torch_timer_file import TorchTimerFile
+    from pytest_elastic_timer.scope import scopes
 
 if TYPE_CHECKING:
     from pytest_elastic_timer.core import records
@@ -134,7 +138,8 @@ def _after_watchdog_start(state: SessionState) -> None:
 def _register_xdist_hooks(config: pytest.Config) -> ModuleType:
     """Import and register the xdist hooks (:mod:`.xdist_support`): only an xdist
     worker, and a controller that starts workers, loads them."""
-    from pytest_elastic_timer.plugin import xdist_support
+    with plainly():
+        from pytest_elastic_timer.plugin import xdist_support
 
     if not config.pluginmanager.is_registered(xdist_support):
         config.pluginmanager.register(xdist_support, XDIST_HOOKS)
@@ -163,7 +168,7 @@ def _register_module(config: pytest.Config, name: str) -> None:
     session. These modules assert nothing."""
     manager = config.pluginmanager
     if manager.get_plugin(name) is None and not manager.is_blocked(name):
-        manager.register(importlib.import_module(name), name)
+        manager.register(import_plainly(name), name)
 
 
 def pytest_report_header(config: pytest.Config) -> str:
@@ -269,7 +274,8 @@ def pytest_sessionfinish(
         state.exitstatus = int(exitstatus)
         lifecycle.check_watchdog(session, state)
         if state.interrupted_test is not None:  # the session's budget stopped a test
-            from pytest_elastic_timer.plugin import expiry
+            with plainly():
+                from pytest_elastic_timer.plugin import expiry
 
             expiry.fail_the_interrupted_test(session, state)
     return (yield)

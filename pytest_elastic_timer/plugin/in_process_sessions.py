@@ -13,11 +13,11 @@ once, after collection, before any inner session runs.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Iterable
 
 import pytest
 
+from pytest_elastic_timer.core.plain_imports import import_plainly
 from pytest_elastic_timer.plugin.state import any_item_asks_for
 
 FIXTURES = frozenset({"pytester", "testdir"})
@@ -38,4 +38,4 @@ def load_if_tests_run_sessions(config: pytest.Config, items: Iterable[object]) -
         return  # no test can ask for it: the items are not looked at
     if any_item_asks_for(items, FIXTURES):
         for name in LOADED_BY_INNER_SESSIONS:
-            importlib.import_module(name)
+            import_plainly(name)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from pytest_elastic_timer.core import afterfork, unpatched
 from pytest_elastic_timer.core import table as tbl
+from pytest_elastic_timer.core.plain_imports import plainly
 from pytest_elastic_timer.scope import client
 
 if TYPE_CHECKING:
@@ -244,7 +245,8 @@ def is_service(pid: int) -> bool:
     watchdog of a pytest session run inside the test, left to end by itself."""
     import psutil
 
-    from pytest_elastic_timer.watchdog import proctree
+    with plainly():
+        from pytest_elastic_timer.watchdog import proctree
 
     reap_adopted()
     try:
@@ -276,7 +278,8 @@ def end_leaks(pids: set[int], kill_after: float = 1.0) -> list[dict[str, object]
     """
     import psutil
 
-    from pytest_elastic_timer.watchdog import proctree
+    with plainly():
+        from pytest_elastic_timer.watchdog import proctree
 
     procs: list[psutil.Process] = []
     for pid in sorted(pids):
@@ -329,7 +332,8 @@ def still_running_after(pids: set[int], timeout: float = SETTLE) -> set[int]:
 def _poll_until_ended(pids: set[int], deadline: float) -> set[int]:
     import psutil
 
-    from pytest_elastic_timer.watchdog import proctree
+    with plainly():
+        from pytest_elastic_timer.watchdog import proctree
 
     procs = []
     for pid in pids:
@@ -344,7 +348,8 @@ def describe_running(pids: set[int]) -> list[dict[str, object]]:
     """A description of each of ``pids`` that still runs (left running)."""
     import psutil
 
-    from pytest_elastic_timer.watchdog import proctree
+    with plainly():
+        from pytest_elastic_timer.watchdog import proctree
 
     procs = []
     for pid in sorted(pids):

@@ -23,12 +23,12 @@ tens of milliseconds for nothing.
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
 from collections.abc import Iterable
 from types import ModuleType
 
+from pytest_elastic_timer.core.plain_imports import import_plainly
 from pytest_elastic_timer.plugin.state import any_item_asks_for
 
 PATCHER_MODULE = "pyfakefs.fake_filesystem_unittest"
@@ -62,7 +62,7 @@ def keep_if_faked(items: Iterable[object], rootdir: str) -> None:
     if not asked and not _named_in_project(rootdir):
         return
     for name in LOADED_ON_FIRST_USE:
-        importlib.import_module(name)
+        import_plainly(name)
     for name, module in list(sys.modules.items()):
         if module is not None and name.split(".", 1)[0] in KEPT_REAL:
             skipped.add(module)

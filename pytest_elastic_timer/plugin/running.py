@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from pytest_elastic_timer.core import unpatched
+from pytest_elastic_timer.core.plain_imports import plainly
 from pytest_elastic_timer.plugin import leaks
 from pytest_elastic_timer.plugin.budgets import Budgets
 from pytest_elastic_timer.plugin.lifecycle import BETWEEN_TESTS, watchdog_lost
@@ -37,7 +38,8 @@ def watch_failures(config: pytest.Config) -> None:
     the records it reads) are imported here, at the first failure: a session whose
     tests pass never loads them.
     """
-    from pytest_elastic_timer.plugin import expiry
+    with plainly():
+        from pytest_elastic_timer.plugin import expiry
 
     expiry.register_reports(config)
     config.stash[_WATCHING_FAILURES] = True

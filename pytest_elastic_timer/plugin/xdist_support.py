@@ -25,6 +25,7 @@ from _pytest._code.code import ReprFileLocation, TerminalRepr
 from _pytest._io import TerminalWriter
 
 from pytest_elastic_timer.core import records, startup, unpatched
+from pytest_elastic_timer.core.plain_imports import plainly
 from pytest_elastic_timer.plugin import lifecycle, remote_hosts
 from pytest_elastic_timer.plugin.lifecycle import SESSION_SCOPE
 from pytest_elastic_timer.plugin.state import (
@@ -103,7 +104,8 @@ class WorkerReports:
 
         if not running.try_watch_failures(self.config):
             return None  # tried again at the next failed report
-        from pytest_elastic_timer.plugin import expiry
+        with plainly():
+            from pytest_elastic_timer.plugin import expiry
 
         self.note_failed = expiry.note_failed_report
         return self.note_failed
