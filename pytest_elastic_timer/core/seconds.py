@@ -17,6 +17,12 @@ import decimal
 import math
 import numbers
 import operator
+from typing import SupportsFloat, SupportsIndex, TypeAlias
+
+# What the API's type hints take as a number of seconds: anything a float can be made of
+# (numpy's scalars, Fraction, Decimal) or an integer of another library. The check at
+# run time (check_seconds) is the rule; this is what a type checker can tell of it.
+Seconds: TypeAlias = SupportsFloat | SupportsIndex
 
 # int and float first: their subclasses (numpy's float64) pass without the ABC's
 # slower check. Decimal is a number although not a numbers.Real: it stays out of that

@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+from pytest_elastic_timer.core.seconds import Seconds
 from pytest_elastic_timer.plugin.running import current
 from pytest_elastic_timer.plugin.state import SESSION
 from pytest_elastic_timer.scope import client, scopes
@@ -35,7 +36,7 @@ class ElasticTimer:
         budget = self.budget
         return math.inf if budget is None else budget
 
-    def step(self, name: str, after: float | None) -> TimerRequest:
+    def step(self, name: str, after: Seconds | None) -> TimerRequest:
         """A nested scope ``name`` that must end within ``after`` seconds."""
         return TimerRequest(after, name)
 

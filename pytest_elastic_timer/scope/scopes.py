@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 from pytest_elastic_timer.core import afterfork, unpatched
 from pytest_elastic_timer.core import table as tbl
-from pytest_elastic_timer.core.seconds import check_seconds
+from pytest_elastic_timer.core.seconds import Seconds, check_seconds
 from pytest_elastic_timer.scope import client, delivery, ranklabel
 from pytest_elastic_timer.scope.delivery import ScopeExpired, TimeoutException
 
@@ -259,7 +259,7 @@ class TimerRequest:
     _task: Any = None  # the asyncio task (or delivery.TrioTask) that entered the scope
 
     def __init__(
-        self, after: float | None, scope: str | None = None, *, grace: float | None = None
+        self, after: Seconds | None, scope: str | None = None, *, grace: Seconds | None = None
     ) -> None:
         # The common case (a plain finite number, a str, no grace) is checked cheaply.
         self.after: float | None
@@ -445,7 +445,7 @@ class TimerRequest:
             state.free.append(self._slot)
             self._slot = -1
 
-    def reschedule(self, after: float) -> None:
+    def reschedule(self, after: Seconds) -> None:
         """Move the deadline to ``after`` seconds from now (scaled like the budget)."""
         seconds = check_seconds(after, "after")  # None too: a deadline is moved, not removed
         state = self._state
@@ -455,7 +455,7 @@ class TimerRequest:
             return
         self._set_deadline(monotonic() + seconds * state.scale)
 
-    def extend(self, seconds: float) -> None:
+    def extend(self, seconds: Seconds) -> None:
         """Move the deadline ``seconds`` later (scaled like the budget)."""
         more = check_seconds(seconds, "seconds")
         state = self._state

@@ -28,7 +28,7 @@ from types import FrameType, TracebackType
 from typing import Any
 
 from pytest_elastic_timer.core import afterfork, unpatched, wire
-from pytest_elastic_timer.core.seconds import check_seconds
+from pytest_elastic_timer.core.seconds import Seconds, check_seconds
 from pytest_elastic_timer.scope import client, scopes
 from pytest_elastic_timer.scope.scopes import ScopeExpired
 from pytest_elastic_timer.sync import protocol
@@ -397,7 +397,7 @@ def _timeout_args(
 
 
 # -- barrier -------------------------------------------------------------------------
-def barrier(name: str, parties: int, timeout: float, *, label: str | None = None) -> int:
+def barrier(name: str, parties: int, timeout: Seconds, *, label: str | None = None) -> int:
     """Wait until ``parties`` processes of the session reached barrier ``name``.
 
     Returns this process's arrival index in the round (0 for the first to arrive, as
@@ -461,7 +461,7 @@ class Event:
         self._note_setter(answer)
         return bool(answer.get("set"))
 
-    def wait(self, timeout: float) -> bool:
+    def wait(self, timeout: Seconds) -> bool:
         """Block until the event is set; returns True. After ``timeout`` seconds
         (scaled) raises :class:`EventTimeout` naming who waited and whether anybody
         ever set it."""
@@ -510,7 +510,7 @@ class SessionLock:
     until its next acquisition. ``waited`` is how long the last acquisition waited.
     """
 
-    def __init__(self, name: str, timeout: float, *, label: str | None = None) -> None:
+    def __init__(self, name: str, timeout: Seconds, *, label: str | None = None) -> None:
         self.name = _check_name(name, "lock")
         self.timeout = _check_timeout(timeout, "lock")
         self.label = _check_label(label)
@@ -609,7 +609,7 @@ class SessionLock:
         return f"<SessionLock {self.name!r} held={self.held}>"
 
 
-def lock(name: str, timeout: float, *, label: str | None = None) -> SessionLock:
+def lock(name: str, timeout: Seconds, *, label: str | None = None) -> SessionLock:
     """A lock across the session's processes: ``with et.lock("port-8000", 10): ...``.
 
     ``timeout`` is how long an acquisition may wait, in seconds (scaled); it raises
