@@ -222,6 +222,57 @@ def test_where_pytest_cannot_cache_bytecode_it_does_not_compile_the_plugin_at_ea
     assert "PytestAssertRewriteWarning" not in result.stdout.str() + result.stderr.str()
 
 
+LOADERS_AT_THE_END_CONFTEST = """
+import os
+import sys
+
+
+def pytest_unconfigure(config):
+    # At the very end: what the session's last hooks imported counts too.
+    rewritten = sorted(
+        name
+        for name, module in list(sys.modules.items())
+        if name.split(".")[0] == "pytest_elastic_timer"
+        and type(module.__spec__.loader).__name__ == "AssertionRewritingHook"
+    )
+    who = os.environ.get("PYTEST_XDIST_WORKER", "controller")
+    with open(f"rewritten-{who}.txt", "w") as f:
+        f.write("\\n".join(rewritten))
+"""
+
+
+@pytest.mark.parametrize("workers", [[], ["-p", "xdist", "-n", "1"]], ids=["one", "xdist"])
+def test_where_pytest_cannot_cache_bytecode_the_ci_outputs_and_the_sessions_end_are_not_compiled(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, workers: list[str]
+) -> None:
+    """As above, with pytest's JUnit XML asked for (the plugin reads its path at start)
+    and up to the session's end (the facts its last hooks are given): no module of the
+    plugin but the entry module's few goes through pytest's hook, in the controller
+    nor in a worker."""
+    site = _installed_as_from_a_wheel(pytester.path / "site")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.delenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    pytester.makeconftest(LOADERS_AT_THE_END_CONFTEST)
+    pytester.makepyfile(test_one="def test_one():\n    pass\n")
+    pairs = zip(LEAN[::2], LEAN[1::2], strict=True)
+    lean = [arg for pair in pairs if not (workers and pair[1] == "no:xdist") for arg in pair]
+    result = pytester.runpytest_subprocess(*lean, "--junitxml=junit.xml", *workers)
+    result.assert_outcomes(passed=1)
+    entry = {
+        "pytest_elastic_timer",
+        "pytest_elastic_timer.plugin",
+        "pytest_elastic_timer.plugin.hooks",
+        "pytest_elastic_timer.core",
+        "pytest_elastic_timer.core.plain_imports",
+    }
+    files = sorted(pytester.path.glob("rewritten-*.txt"))
+    assert len(files) == 1 + bool(workers), files
+    for path in files:
+        rewritten = set(path.read_text(encoding="utf-8").split())
+        assert rewritten <= entry, (path.name, sorted(rewritten - entry))
+
+
 THREAD_PER_TEST_SUITE = """
 import os
 import threading

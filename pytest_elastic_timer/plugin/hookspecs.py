@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from pytest_elastic_timer.core.plain_imports import plainly
+
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
@@ -31,7 +33,8 @@ if not TYPE_CHECKING:  # type checkers see the import above, and no name made up
         :mod:`.session_facts` when first used (at the session's end): a dataclass costs
         every session's start-up some 0.4 ms to define."""
         if name == "SessionFacts":
-            from pytest_elastic_timer.plugin.session_facts import SessionFacts
+            with plainly():
+                from pytest_elastic_timer.plugin.session_facts import SessionFacts
 
             return SessionFacts
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from pytest_elastic_timer.core import startup, unpatched
+from pytest_elastic_timer.core.plain_imports import plainly
 from pytest_elastic_timer.plugin import launcher, leaks, torch_timer_file
 from pytest_elastic_timer.plugin.state import (
     SESSION,
@@ -102,7 +103,8 @@ def _junit_path(config: pytest.Config) -> str | None:
     they are used)."""
     if not config.getoption("xmlpath", None):
         return None
-    from pytest_elastic_timer.ci.junit import junit_path
+    with plainly():
+        from pytest_elastic_timer.ci.junit import junit_path
 
     return junit_path(config)
 
@@ -620,7 +622,8 @@ def check_watchdog(session: pytest.Session, state: SessionState) -> None:
 
 def facts_for_hooks(config: pytest.Config, state: SessionState) -> SessionFacts:
     """What the plugin's session hooks are given."""
-    from pytest_elastic_timer.plugin.session_facts import SessionFacts  # at the end only
+    with plainly():  # at the end only
+        from pytest_elastic_timer.plugin.session_facts import SessionFacts
 
     settings = state.settings
     book = state.budgets

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 
 import pytest
 
+from pytest_elastic_timer.core.plain_imports import plainly
 from pytest_elastic_timer.core.seconds import parse_fraction, parse_seconds
 
 HELP = {
@@ -175,7 +176,8 @@ def check_distinct_files(config: pytest.Config, settings: Settings) -> None:
     junit = config.getoption("xmlpath", None)
     junit_file = None
     if junit:  # the CI outputs load only where they are used
-        from pytest_elastic_timer.ci.junit import junit_path
+        with plainly():
+            from pytest_elastic_timer.ci.junit import junit_path
 
         junit_file = junit_path(config)
     files = [
