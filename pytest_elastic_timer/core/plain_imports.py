@@ -45,13 +45,15 @@ def plainly() -> Iterator[None]:
     """Within this block, this package's modules are imported from their bytecode,
     not through pytest's assertion rewriting (see the module's docstring)."""
     finder = _OwnModulesFinder()
-    sys.meta_path.insert(0, finder)
+    # A new list each way, not the list changed in place: another thread importing
+    # meanwhile walks the list it started with, and one finder removed from under its
+    # walk would shift the next one past it (a spurious ModuleNotFoundError there).
+    sys.meta_path = [finder, *sys.meta_path]
     try:
         yield
     finally:
-        # Removed by identity: the block may have added or removed other finders.
-        with contextlib.suppress(ValueError):
-            sys.meta_path.remove(finder)
+        # By identity: the block may have added or removed other finders.
+        sys.meta_path = [f for f in sys.meta_path if f is not finder]
 
 
 def import_plainly(name: str) -> ModuleType:
