@@ -223,7 +223,6 @@ def test_where_pytest_cannot_cache_bytecode_it_does_not_compile_the_plugin_at_ea
 
 
 LOADERS_AT_THE_END_CONFTEST = """
-import os
 import sys
 
 
@@ -235,7 +234,8 @@ def pytest_unconfigure(config):
         if name.split(".")[0] == "pytest_elastic_timer"
         and type(module.__spec__.loader).__name__ == "AssertionRewritingHook"
     )
-    who = os.environ.get("PYTEST_XDIST_WORKER", "controller")
+    # Not from PYTEST_XDIST_WORKER: the outer session's worker may have set it.
+    who = getattr(config, "workerinput", {}).get("workerid", "controller")
     with open(f"rewritten-{who}.txt", "w") as f:
         f.write("\\n".join(rewritten))
 """
