@@ -8,7 +8,8 @@ pytester sessions) and without it.
 
 For each plugin: its source distribution (which carries its tests) is downloaded and
 unpacked; two virtual environments get the same packages (the plugin, what its tests
-need, pytest, pytest-xdist and psutil), one of them this project as well; the plugin's
+need, pytest, pytest-xdist and psutil), one of them this project as well (built and
+installed as users get it, not for development); the plugin's
 suite runs in each. The counts of outcomes and every test's outcome are compared; a
 test whose outcome differs is run again in both environments, and a difference that
 comes back is reported. Exit status 1 when one does, 2 when a suite could not run.
@@ -136,7 +137,9 @@ def environment(work: Path, source: Path, plugin: Plugin, with_this: bool) -> Pa
     sh(sys.executable, "-m", "venv", venv, log=log)
     python = venv / "bin" / "python"
     sh(python, "-m", "pip", "install", "-q", "--upgrade", "pip", log=log)
-    this = ("-e", ROOT) if with_this else ()
+    # Built and installed as users get it, not for development: pytest then marks the
+    # package's modules for assertion rewriting, as it does in their environments.
+    this = (ROOT,) if with_this else ()
     sh(python, "-m", "pip", "install", "-q", source, *plugin.needs, *SHARED, *this, log=log)
     return python
 
