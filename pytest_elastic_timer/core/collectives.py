@@ -40,6 +40,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pytest_elastic_timer.core import unpatched
+from pytest_elastic_timer.core.procstat import process_alive, process_starttime
 
 MAGIC = 0x3130_4C4F_4354_4550  # b"PETCOL01" read as a little-endian u64
 VERSION = 1
@@ -112,35 +113,6 @@ SAME_SHAPES = frozenset(
 def ring_path(directory: str, pid: int) -> str:
     """A new ring's file name for process ``pid`` in the session ``directory``."""
     return os.path.join(directory, f"{PREFIX}{pid}-{unpatched.random_hex()}")
-
-
-def process_starttime(pid: int) -> int:
-    """The start time of ``pid`` in clock ticks since boot (0 if unknown): with the pid,
-    it tells a process from a later one that reuses its pid."""
-    try:
-        with unpatched.open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return 0
-    # The command name (field 2) may hold spaces and parentheses: split after the last ")".
-    fields = stat[stat.rfind(b")") + 2 :].split()
-    try:
-        return int(fields[19])
-    except (IndexError, ValueError):
-        return 0
-
-
-def process_alive(pid: int, starttime: int) -> bool:
-    """Whether process ``pid`` that started at ``starttime`` still runs (not a zombie)."""
-    try:
-        with unpatched.open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    fields = stat[stat.rfind(b")") + 2 :].split()
-    if not fields or fields[0] in (b"Z", b"X"):
-        return False
-    return not starttime or (len(fields) > 19 and fields[19] == str(starttime).encode())
 
 
 def encode_tensors(items: Iterable[tuple[str, tuple[int, ...]]], limit: int = 160) -> bytes:

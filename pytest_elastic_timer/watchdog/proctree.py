@@ -16,6 +16,7 @@ import psutil
 # replaced os.kill, time.sleep, time.monotonic or open with a mock (psutil's own
 # send_signal calls os.kill by name); this module is imported late, so the references
 # come from core.unpatched, bound when the package was imported.
+from pytest_elastic_timer.core.procstat import process_starttime
 from pytest_elastic_timer.core.unpatched import kill as _kill
 from pytest_elastic_timer.core.unpatched import listdir as _listdir
 from pytest_elastic_timer.core.unpatched import monotonic as _monotonic
@@ -138,12 +139,8 @@ def start_time(proc: psutil.Process) -> float:
     root, compared with what was read at the start, was taken for another process,
     every process of the session refused. Where there is no ``/proc`` to read,
     psutil's ``create_time()``."""
-    try:
-        with _open(f"/proc/{proc.pid}/stat", "rb") as f:
-            fields = f.read().rpartition(b")")[2].split()
-        return int(fields[19]) / _CLOCK_TICKS  # starttime, the stat file's 22nd field
-    except (OSError, IndexError, ValueError):
-        return proc.create_time()
+    ticks = process_starttime(proc.pid)
+    return ticks / _CLOCK_TICKS if ticks else proc.create_time()
 
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
