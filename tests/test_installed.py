@@ -127,6 +127,16 @@ def test_the_plugin_loaded_by_the_packages_name_is_the_plugin(
         assert "Unknown pytest.mark.expires" in result.stdout.str()
 
 
+# Loaded through pytest's hook: the package, the plugin's package and the plugin module
+# pytest imports by its entry point, and what that module imports first.
+ENTRY_MODULES = {
+    "pytest_elastic_timer",
+    "pytest_elastic_timer.plugin",
+    "pytest_elastic_timer.plugin.hooks",
+    "pytest_elastic_timer.core",
+    "pytest_elastic_timer.core.plain_imports",
+}
+
 LOADERS_SUITE = """
 import os
 import subprocess
@@ -137,15 +147,7 @@ import pytest
 
 import pytest_elastic_timer as et
 
-# Loaded through pytest's hook: the package, the plugin's package and the plugin module
-# pytest imports by its entry point, and what that module imports first.
-ENTRY = {
-    "pytest_elastic_timer",
-    "pytest_elastic_timer.plugin",
-    "pytest_elastic_timer.plugin.hooks",
-    "pytest_elastic_timer.core",
-    "pytest_elastic_timer.core.plain_imports",
-}
+ENTRY = __ENTRY__
 
 
 @pytest.mark.expires(0.3)
@@ -197,6 +199,21 @@ def _installed_as_from_a_wheel(site: Path) -> Path:
     return site
 
 
+def _run_installed_without_cached_bytecode(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, workers: list[str], *args: str
+) -> pytest.RunResult:
+    """pytest in a subprocess, the package installed as from a wheel, plugins loaded
+    from their entry points (pytest's default), PYTHONDONTWRITEBYTECODE=1; the lean
+    set of plugins, with xdist where ``workers`` asks for it."""
+    site = _installed_as_from_a_wheel(pytester.path / "site")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.delenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    pairs = zip(LEAN[::2], LEAN[1::2], strict=True)
+    lean = [arg for pair in pairs if not (workers and pair[1] == "no:xdist") for arg in pair]
+    return pytester.runpytest_subprocess(*lean, *args, *workers)
+
+
 @pytest.mark.parametrize("workers", [[], ["-p", "xdist", "-n", "1"]], ids=["one", "xdist"])
 def test_where_pytest_cannot_cache_bytecode_it_does_not_compile_the_plugin_at_each_start(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, workers: list[str]
@@ -209,14 +226,12 @@ def test_where_pytest_cannot_cache_bytecode_it_does_not_compile_the_plugin_at_ea
     failure, to end a leftover process and for a lazy public name come from their
     bytecode, pytest does not warn about them, and no finder of the plugin stays on
     ``sys.meta_path``."""
-    site = _installed_as_from_a_wheel(pytester.path / "site")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
-    monkeypatch.delenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", raising=False)
-    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
-    pytester.makepyfile(test_loaders=LOADERS_SUITE)
-    pairs = zip(LEAN[::2], LEAN[1::2], strict=True)
-    lean = [arg for pair in pairs if not (workers and pair[1] == "no:xdist") for arg in pair]
-    result = pytester.runpytest_subprocess(*lean, "--elastic-timer-leaks=kill", *workers)
+    pytester.makepyfile(
+        test_loaders=LOADERS_SUITE.replace("__ENTRY__", f"set({sorted(ENTRY_MODULES)!r})")
+    )
+    result = _run_installed_without_cached_bytecode(
+        pytester, monkeypatch, workers, "--elastic-timer-leaks=kill"
+    )
     result.assert_outcomes(passed=3, failed=1, warnings=1)  # the warning: the leftover
     assert "scope 'test_hangs::call' expired" in result.stdout.str()
     assert "PytestAssertRewriteWarning" not in result.stdout.str() + result.stderr.str()
@@ -249,28 +264,17 @@ def test_where_pytest_cannot_cache_bytecode_the_ci_outputs_and_the_sessions_end_
     and up to the session's end (the facts its last hooks are given): no module of the
     plugin but the entry module's few goes through pytest's hook, in the controller
     nor in a worker."""
-    site = _installed_as_from_a_wheel(pytester.path / "site")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
-    monkeypatch.delenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", raising=False)
-    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
     pytester.makeconftest(LOADERS_AT_THE_END_CONFTEST)
     pytester.makepyfile(test_one="def test_one():\n    pass\n")
-    pairs = zip(LEAN[::2], LEAN[1::2], strict=True)
-    lean = [arg for pair in pairs if not (workers and pair[1] == "no:xdist") for arg in pair]
-    result = pytester.runpytest_subprocess(*lean, "--junitxml=junit.xml", *workers)
+    result = _run_installed_without_cached_bytecode(
+        pytester, monkeypatch, workers, "--junitxml=junit.xml"
+    )
     result.assert_outcomes(passed=1)
-    entry = {
-        "pytest_elastic_timer",
-        "pytest_elastic_timer.plugin",
-        "pytest_elastic_timer.plugin.hooks",
-        "pytest_elastic_timer.core",
-        "pytest_elastic_timer.core.plain_imports",
-    }
     files = sorted(pytester.path.glob("rewritten-*.txt"))
     assert len(files) == 1 + bool(workers), files
     for path in files:
         rewritten = set(path.read_text(encoding="utf-8").split())
-        assert rewritten <= entry, (path.name, sorted(rewritten - entry))
+        assert rewritten <= ENTRY_MODULES, (path.name, sorted(rewritten - ENTRY_MODULES))
 
 
 THREAD_PER_TEST_SUITE = """
