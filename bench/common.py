@@ -13,6 +13,7 @@ import json
 import math
 import os
 import platform
+import re
 import selectors
 import signal
 import statistics
@@ -49,6 +50,17 @@ def clean_env(**extra: str) -> dict[str, str]:
 def scrub_own_env() -> None:
     for name in _FOREIGN_ENV:
         os.environ.pop(name, None)
+
+
+# -- callgrind ------------------------------------------------------------------------
+_CALLGRIND_TOTAL = re.compile(rb"^(?:summary|totals):\s+(\d+)", re.MULTILINE)
+
+
+def callgrind_total(path: str) -> int | None:
+    """The instructions a callgrind output file counts in all (None: no total in it)."""
+    with open(path, "rb") as f:
+        match = _CALLGRIND_TOTAL.search(f.read())
+    return int(match.group(1)) if match else None
 
 
 # -- statistics ----------------------------------------------------------------------

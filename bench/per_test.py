@@ -86,7 +86,6 @@ def available_configs() -> list[str]:
 
 
 XDIST = ["-p", "xdist", "-n", "2"]
-_SUMMARY = re.compile(rb"^(?:summary|totals):\s+(\d+)", re.MULTILINE)
 
 
 def _env(seed: int = 0) -> dict[str, str]:
@@ -163,10 +162,9 @@ def callgrind(
     _check_output(proc.stdout, n, f"callgrind {config} n={n} seed={seed}")
     total, files = 0, 0
     for path in glob.glob(os.path.join(out_dir, "callgrind.*.out*")):
-        with open(path, "rb") as f:
-            match = _SUMMARY.search(f.read())
-        if match:
-            total += int(match.group(1))
+        counted = common.callgrind_total(path)
+        if counted is not None:
+            total += counted
             files += 1
     shutil.rmtree(out_dir, ignore_errors=True)
     return {"instructions": total, "processes": files, "seconds": seconds, "seed": seed}

@@ -37,7 +37,6 @@ session: a watchdog, were one started, would run in a process of its own.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -107,6 +106,20 @@ def _time(argv: list[str], env: dict[str, str], cwd: str) -> float:
     return elapsed
 
 
+def _interleaved(
+    argvs: dict[str, list[str]], env: dict[str, str], cwd: str, rounds: int
+) -> dict[str, list[float]]:
+    """Each command of ``argvs`` timed ``rounds`` times, in turn, after one run each that
+    warms the file cache and the bytecode."""
+    for argv in argvs.values():
+        _time(argv, env, cwd)
+    times: dict[str, list[float]] = {name: [] for name in argvs}
+    for _ in range(rounds):
+        for name, argv in argvs.items():
+            times[name].append(_time(argv, env, cwd))
+    return times
+
+
 def _instructions(argv: list[str], env: dict[str, str], cwd: str) -> int | None:
     """The instructions of the pytest process of ``argv`` alone (callgrind; the watchdog
     runs outside valgrind), or None without valgrind. Repeatable from run to run, where
@@ -123,16 +136,13 @@ def _instructions(argv: list[str], env: dict[str, str], cwd: str) -> int | None:
         )
         if done.returncode != 0 or not os.path.exists(path):
             return None
-        with open(path, "rb") as f:
-            match = re.search(rb"^(?:summary|totals):\s+(\d+)", f.read(), re.MULTILINE)
-    return int(match.group(1)) if match else None
+        return common.callgrind_total(path)
 
 
 def whole_sessions(
     rounds: int, python: str = common.PYTHON, instructions: bool = False
 ) -> dict[str, Any]:
     env = common.clean_env(PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
-    times: dict[str, list[float]] = {"plain": [], "plugin": [], "used": []}
     with tempfile.TemporaryDirectory() as directory:
         with open(os.path.join(directory, "test_one.py"), "w", encoding="utf-8") as f:
             f.write(TEST)
@@ -141,11 +151,7 @@ def whole_sessions(
             "plugin": _session_argv(directory, True, python),
             "used": _session_argv(directory, True, python, USED),
         }
-        for argv in argvs.values():
-            _time(argv, env, directory)  # warm the file cache and the bytecode
-        for _ in range(rounds):
-            for name, argv in argvs.items():
-                times[name].append(_time(argv, env, directory))
+        times = _interleaved(argvs, env, directory, rounds)
         counted = {
             name: _instructions(argvs[name], env, directory) if instructions else None
             for name in ("plain", "plugin")
@@ -182,7 +188,6 @@ def uncached_sessions(rounds: int, python: str) -> dict[str, Any]:
     blocked = [arg for name in listed if name not in _KEPT for arg in ("-p", f"no:{name}")]
     env = common.clean_env(PYTHONDONTWRITEBYTECODE="1")
     env.pop("PYTEST_DISABLE_PLUGIN_AUTOLOAD", None)
-    times: dict[str, list[float]] = {"plain": [], "plugin": []}
     with tempfile.TemporaryDirectory() as directory:
         with open(os.path.join(directory, "test_one.py"), "w", encoding="utf-8") as f:
             f.write(TEST)
@@ -191,11 +196,7 @@ def uncached_sessions(rounds: int, python: str) -> dict[str, Any]:
             "plain": [*base, "-p", "no:elastic_timer", "test_one.py"],
             "plugin": [*base, "test_one.py"],
         }
-        for argv in argvs.values():
-            _time(argv, env, directory)
-        for _ in range(rounds):
-            for name, argv in argvs.items():
-                times[name].append(_time(argv, env, directory))
+        times = _interleaved(argvs, env, directory, rounds)
     return _summary(times)
 
 
