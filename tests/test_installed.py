@@ -23,6 +23,7 @@ import pytest
 from helpers import LEAN, top_level_environment, wait_gone
 
 import pytest_elastic_timer
+from pytest_elastic_timer.core.plain_imports import plainly
 
 STRICT_SUITE = '''
 import subprocess
@@ -235,6 +236,42 @@ def test_where_pytest_cannot_cache_bytecode_it_does_not_compile_the_plugin_at_ea
     result.assert_outcomes(passed=3, failed=1, warnings=1)  # the warning: the leftover
     assert "scope 'test_hangs::call' expired" in result.stdout.str()
     assert "PytestAssertRewriteWarning" not in result.stdout.str() + result.stderr.str()
+
+
+class _Finder:
+    """A meta path finder that finds nothing."""
+
+    def find_spec(self, *args: object) -> None:
+        return None
+
+
+def test_plainly_puts_back_the_very_list_it_found() -> None:
+    """``plainly()`` gives its block a new ``sys.meta_path`` list and then puts back
+    the list object it found (not a copy), with what the block added or removed; a
+    list the block put in place of its own is left as it is, without the finder."""
+    original = sys.meta_path
+    with plainly():
+        assert sys.meta_path is not original
+        assert type(sys.meta_path[0]).__name__ == "_OwnModulesFinder"
+    assert sys.meta_path is original
+
+    added = _Finder()
+    try:
+        with plainly():
+            sys.meta_path.append(added)
+        assert sys.meta_path is original
+        assert sys.meta_path[-1] is added
+    finally:
+        original.remove(added)
+
+    replaced = [*original]
+    try:
+        with plainly():
+            sys.meta_path = [*sys.meta_path, added]
+        assert sys.meta_path is not original
+        assert [f for f in sys.meta_path if f is not added] == replaced
+    finally:
+        sys.meta_path = original
 
 
 LOADERS_AT_THE_END_CONFTEST = """
@@ -455,6 +492,7 @@ import pytest
 
 import psutil
 
+started_with = sys.meta_path  # the interpreter keeps this very list to its end
 before = sorted(os.listdir("/proc/self/fd")), list(sys.meta_path), psutil.Process().children()
 for _ in range(3):
     args = ["-q", "-p", "no:cacheprovider", "-p", "no:asyncio", *sys.argv[1:], "test_one.py"]
@@ -462,6 +500,8 @@ for _ in range(3):
 time.sleep(1.0)  # the watchdogs stopped: they end within moments
 after = sorted(os.listdir("/proc/self/fd")), list(sys.meta_path), psutil.Process().children()
 print("SAME" if after == before else f"CHANGED {before} {after}")
+# pytest's rewriting hook holds its whole session: none may stay in that list.
+print("LIST", sys.meta_path is started_with, [type(f).__name__ for f in started_with])
 """
 
 
@@ -473,7 +513,9 @@ def test_pytest_main_in_a_script_leaves_the_process_as_it_found_it(
     (no descriptor of it stays open, and no zombie: a session that adopts orphans does
     so once the watchdog's shell is reaped), and the import hook that waits for
     torch.distributed goes with its session. All three stayed, for the rest of the
-    script."""
+    script. ``sys.meta_path`` is the list it was, not a copy: the first session's
+    rewriting hook, and all it holds, stayed in the list the interpreter started with
+    (which it keeps to its end) while pytest removed it from the copy."""
     # A script run from a shell: no session of this suite's around it.
     for name in [n for n in os.environ if n.startswith("PYTEST_ELASTIC_TIMER")]:
         monkeypatch.delenv(name)
@@ -485,7 +527,8 @@ def test_pytest_main_in_a_script_leaves_the_process_as_it_found_it(
     script = pytester.makepyfile(script=SCRIPT)
     result = pytester.run(sys.executable, script, *leaks, timeout=60)
     assert result.ret == 0, result.stderr.str()
-    result.stdout.fnmatch_lines(["SAME"])
+    result.stdout.fnmatch_lines(["SAME", "LIST True *"])
+    assert "AssertionRewritingHook" not in result.stdout.str()
 
 
 SHADOWED_SUITE = """

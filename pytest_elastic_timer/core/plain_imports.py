@@ -45,15 +45,33 @@ def plainly() -> Iterator[None]:
     """Within this block, this package's modules are imported from their bytecode,
     not through pytest's assertion rewriting (see the module's docstring)."""
     finder = _OwnModulesFinder()
-    # A new list each way, not the list changed in place: another thread importing
+    original = sys.meta_path
+    # A new list for the block, not the list changed in place: another thread importing
     # meanwhile walks the list it started with, and one finder removed from under its
     # walk would shift the next one past it (a spurious ModuleNotFoundError there).
-    sys.meta_path = [finder, *sys.meta_path]
+    ours = [finder, *original]
+    sys.meta_path = ours
     try:
         yield
     finally:
-        # By identity: the block may have added or removed other finders.
-        sys.meta_path = [f for f in sys.meta_path if f is not finder]
+        if sys.meta_path is not ours:  # replaced within the block: that list stays
+            sys.meta_path = [f for f in sys.meta_path if f is not finder]
+        else:
+            # The original list object goes back, not a copy: the interpreter keeps a
+            # reference to the list it started with until its very end, and pytest
+            # removes its rewriting hook (which holds its whole session) from whichever
+            # list is current. A copy left current would keep that hook, and every
+            # module, alive in the original list to the end of the process (and
+            # CPython then takes milliseconds longer to end it).
+            kept = [f for f in ours if f is not finder]
+            if not _same_items(kept, original):  # the block added or removed finders
+                original[:] = kept
+            sys.meta_path = original
+
+
+def _same_items(a: Sequence[object], b: Sequence[object]) -> bool:
+    """Whether ``a`` and ``b`` hold the very same objects, in the same order."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
 
 
 def import_plainly(name: str) -> ModuleType:
