@@ -531,28 +531,41 @@ def test_pytest_main_in_a_script_leaves_the_process_as_it_found_it(
     assert "AssertionRewritingHook" not in result.stdout.str()
 
 
+def _still_reachable_at_the_end(pytester: pytest.Pytester, *args: str) -> set[str]:
+    """The modules of pytest and of this package that the interpreter still found
+    reachable as a pytest process with ``args`` ended, and wiped one by one
+    (``python -v`` says which), rather than collected."""
+    argv = [sys.executable, "-v", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "xdist"]
+    with top_level_environment():
+        result = pytester.run(*argv, *args, "test_one.py", timeout=60)
+    assert result.ret == 0, result.stdout.str()
+    wiped = re.findall(r"^# cleanup\[3\] wiping (\S+)$", result.stderr.str(), re.MULTILINE)
+    assert wiped  # python -v spoke: the interpreter's own modules are always wiped
+    return {m for m in wiped if m.split(".")[0] in ("_pytest", "pytest", "pytest_elastic_timer")}
+
+
 @pytest.mark.parametrize("used", [[], ["--expires=30"]], ids=["loaded", "used"])
 def test_at_the_end_of_the_process_nothing_of_the_session_stays_reachable(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, used: list[str]
 ) -> None:
     """When a pytest process with the plugin ends, the interpreter collects pytest's
-    modules as it does without the plugin: none of them, nor of this package, is still
-    reachable and wiped one by one (``python -v`` says which are). A rewriting hook
-    left in the ``sys.meta_path`` list the interpreter started with kept the whole
-    session reachable, and the process took milliseconds longer to end."""
+    modules as it does without the plugin. A rewriting hook left in the
+    ``sys.meta_path`` list the interpreter started with kept the whole session
+    reachable: every module was wiped one by one, and the process took milliseconds
+    longer to end. Where the interpreter keeps pytest's modules to its end without
+    the plugin too (seen in some environments of other Python versions), the test
+    says nothing and is skipped."""
     for name in [n for n in os.environ if n.startswith("PYTEST_ELASTIC_TIMER")]:
         monkeypatch.delenv(name)
     monkeypatch.delenv("TORCHELASTIC_TIMER_FILE", raising=False)
     monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
     pytester.makepyfile(test_one="def test_one():\n    assert True\n")
-    argv = [sys.executable, "-v", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "xdist"]
-    with top_level_environment():
-        result = pytester.run(*argv, "-p", "elastic_timer", *used, "test_one.py", timeout=60)
-    assert result.ret == 0, result.stdout.str()
-    wiped = re.findall(r"^# cleanup\[3\] wiping (\S+)$", result.stderr.str(), re.MULTILINE)
-    assert wiped  # python -v spoke: the interpreter's own modules are always wiped
-    kept = [m for m in wiped if m.split(".")[0] in ("_pytest", "pytest", "pytest_elastic_timer")]
-    assert not kept, f"still reachable at the end: {kept}"
+    without = _still_reachable_at_the_end(pytester)
+    if without:
+        kept = ", ".join(sorted(without)[:3])
+        pytest.skip(f"the interpreter keeps pytest's modules to its end without the plugin: {kept}")
+    with_plugin = _still_reachable_at_the_end(pytester, "-p", "elastic_timer", *used)
+    assert not with_plugin, f"still reachable at the end: {sorted(with_plugin)}"
 
 
 SHADOWED_SUITE = """
