@@ -549,23 +549,21 @@ def test_at_the_end_of_the_process_nothing_of_the_session_stays_reachable(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, used: list[str]
 ) -> None:
     """When a pytest process with the plugin ends, the interpreter collects pytest's
-    modules as it does without the plugin. A rewriting hook left in the
-    ``sys.meta_path`` list the interpreter started with kept the whole session
-    reachable: every module was wiped one by one, and the process took milliseconds
-    longer to end. Where the interpreter keeps pytest's modules to its end without
-    the plugin too (seen in some environments of other Python versions), the test
-    says nothing and is skipped."""
+    modules, and this package's, as it does pytest's without the plugin: the plugin
+    keeps none of them reachable to the end, where they are wiped one by one instead
+    (``python -v`` says which). A rewriting hook left in the ``sys.meta_path`` list the
+    interpreter started with kept the whole session reachable, and so did a
+    ``StashKey[SessionState]`` subscribed at run time, through typing's cache, where the
+    interpreter keeps that cache to its end (Python 3.10, 3.12 and 3.13 here); the
+    process took milliseconds longer to end."""
     for name in [n for n in os.environ if n.startswith("PYTEST_ELASTIC_TIMER")]:
         monkeypatch.delenv(name)
     monkeypatch.delenv("TORCHELASTIC_TIMER_FILE", raising=False)
     monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
     pytester.makepyfile(test_one="def test_one():\n    assert True\n")
     without = _still_reachable_at_the_end(pytester)
-    if without:
-        kept = ", ".join(sorted(without)[:3])
-        pytest.skip(f"the interpreter keeps pytest's modules to its end without the plugin: {kept}")
     with_plugin = _still_reachable_at_the_end(pytester, "-p", "elastic_timer", *used)
-    assert not with_plugin, f"still reachable at the end: {sorted(with_plugin)}"
+    assert with_plugin <= without, f"kept by the plugin: {sorted(with_plugin - without)}"
 
 
 SHADOWED_SUITE = """

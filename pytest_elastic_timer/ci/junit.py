@@ -93,7 +93,8 @@ class Testcases:
             self._failed_call.discard(key)
 
 
-TESTCASES = pytest.StashKey[Testcases]()
+# Subscripted in the annotation only (plugin/state.py's SESSION says why).
+TESTCASES: pytest.StashKey[Testcases] = pytest.StashKey()
 
 
 def _junit_names(nodeid: str, prefix: str | None) -> tuple[str, str]:

@@ -73,7 +73,8 @@ class Phases:
         self.slowest: list[tuple[str, str, float, float | None]] = []
 
 
-PHASES_KEY = pytest.StashKey[Phases]()
+# Subscripted in the annotation only (plugin/state.py's SESSION says why).
+PHASES_KEY: pytest.StashKey[Phases] = pytest.StashKey()
 
 
 def nice_ceil(seconds: float) -> float:

@@ -159,7 +159,10 @@ def _nothing() -> None:
     pass
 
 
-SESSION = pytest.StashKey[SessionState]()
+# Subscripted in the annotation only: a subscription at run time goes into typing's
+# cache, which some Python versions keep to the process's very end, and through this
+# class all of the plugin and pytest stayed reachable as the interpreter tore down.
+SESSION: pytest.StashKey[SessionState] = pytest.StashKey()
 RECORDS_FILE = "records.jsonl"  # the watchdog's records, beside its socket
 
 

@@ -419,7 +419,8 @@ def _size(path: str) -> int:
         return 0
 
 
-ENDED = pytest.StashKey[EndedTests]()
+# Subscripted in the annotation only (plugin/state.py's SESSION says why).
+ENDED: pytest.StashKey[EndedTests] = pytest.StashKey()
 # Why the session stops for its budget, run out in a worker that was ended (controller).
 STOPPED = pytest.StashKey[str]()
 # The records that explained a crashed worker's test already (controller).
