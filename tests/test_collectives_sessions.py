@@ -63,15 +63,17 @@ def note(test, rank, what):
         f.write(str(os.getpid()))
 
 
-def join(rank, port, test, world_size=2):
+def join(rank, store, test, world_size=2):
     note(test, rank, "pid")
+    # A file, not a TCP port: a port found free can be taken again before rank 0
+    # listens on it (EADDRINUSE) while other sessions run beside this one.
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size
     )
 
 
-def missing(rank, port):
-    join(rank, port, "test_missing")
+def missing(rank, store):
+    join(rank, store, "test_missing")
     dist.all_reduce(torch.ones(4))  # all_reduce #1
     dist.broadcast(torch.ones(4), 0)  # broadcast #2
     note("test_missing", rank, "ready")
@@ -80,10 +82,10 @@ def missing(rank, port):
     dist.all_reduce(torch.ones(4))  # all_reduce #3: rank 0 waits here
 
 
-def missing_in_rank(rank, port):
+def missing_in_rank(rank, store):
     import pytest_elastic_timer as et
 
-    join(rank, port, "test_missing_in_rank")
+    join(rank, store, "test_missing_in_rank")
     dist.all_reduce(torch.ones(4))  # all_reduce #1
     if rank == 1:
         time.sleep(3600)  # rank 1 never reaches the timed all_reduce #2
@@ -91,11 +93,11 @@ def missing_in_rank(rank, port):
         dist.all_reduce(torch.ones(4))  # timed all_reduce #2: rank 0 waits here
 
 
-def labelled(rank, port):
+def labelled(rank, store):
     import pytest_elastic_timer as et
 
     et.set_label(f"trainer {rank}")  # the program names its ranks itself
-    join(rank, port, "test_labelled")
+    join(rank, store, "test_labelled")
     dist.all_reduce(torch.ones(4))  # all_reduce #1
     if rank == 1:
         time.sleep(3600)  # trainer 1 never reaches its step
@@ -103,16 +105,16 @@ def labelled(rank, port):
         dist.all_reduce(torch.ones(4))  # the step's all_reduce #2: trainer 0 waits here
 
 
-def crashed(rank, port):
-    join(rank, port, "test_crashed")
+def crashed(rank, store):
+    join(rank, store, "test_crashed")
     dist.all_reduce(torch.ones(4))  # all_reduce #1
     if rank == 1:
         os._exit(3)  # rank 1 crashes; mp.spawn then ends rank 0, in no op either
     time.sleep(3600)
 
 
-def crashed_beside_stuck(rank, port):
-    join(rank, port, "test_crashed_beside_stuck", world_size=3)
+def crashed_beside_stuck(rank, store):
+    join(rank, store, "test_crashed_beside_stuck", world_size=3)
     dist.all_reduce(torch.ones(4))  # all_reduce #1
     note("test_crashed_beside_stuck", rank, "ready")
     if rank == 1:
@@ -122,8 +124,8 @@ def crashed_beside_stuck(rank, port):
     dist.all_reduce(torch.ones(4))  # all_reduce #2: rank 0 waits here (gloo: for rank 2)
 
 
-def desync(rank, port):
-    join(rank, port, "test_desync")
+def desync(rank, store):
+    join(rank, store, "test_desync")
     dist.broadcast(torch.ones(4), 0)  # broadcast #1
     note("test_desync", rank, "ready")
     if rank == 0:
@@ -132,14 +134,14 @@ def desync(rank, port):
         dist.broadcast(torch.ones(4), 1)  # #2 on rank 1
 
 
-def shapes(rank, port):
-    join(rank, port, "test_shapes")
+def shapes(rank, store):
+    join(rank, store, "test_shapes")
     dist.all_reduce(torch.ones(4))  # all_reduce #1
     dist.all_reduce(torch.ones(4 if rank == 0 else 1000))  # #2: gloo aborts rank 0
 
 
-def passing(rank, port, out):
-    join(rank, port, os.path.basename(out))
+def passing(rank, store, out):
+    join(rank, store, os.path.basename(out))
     t = torch.arange(4, dtype=torch.float32) * (rank + 1)
     dist.all_reduce(t)
     gathered = [torch.zeros(2) for _ in range(2)]
@@ -165,7 +167,6 @@ def passing(rank, port, out):
 TESTS = '''
 import os
 import re
-import socket
 import time
 
 import pytest
@@ -177,15 +178,15 @@ import ranks
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def fresh_store():
+    """A path for the ranks' rendezvous file, used by no group before."""
+    os.makedirs(os.path.join(HERE, "stores"), exist_ok=True)
+    return os.path.join(HERE, "stores", f"{os.getpid()}-{time.monotonic_ns()}")
 
 
 def start(target, *args, nprocs=2):
     return mp.start_processes(
-        target, args=(free_port(), *args), nprocs=nprocs, join=False, start_method="spawn"
+        target, args=(fresh_store(), *args), nprocs=nprocs, join=False, start_method="spawn"
     )
 
 
