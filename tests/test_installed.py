@@ -505,6 +505,14 @@ print("LIST", sys.meta_path is started_with, [type(f).__name__ for f in started_
 """
 
 
+def _outside_this_suites_session(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The environment of a process started from a shell: nothing of the session that
+    runs this suite (its watchdog's address and settings, its torch file timer)."""
+    for name in [n for n in os.environ if n.startswith("PYTEST_ELASTIC_TIMER")]:
+        monkeypatch.delenv(name)
+    monkeypatch.delenv("TORCHELASTIC_TIMER_FILE", raising=False)
+
+
 @pytest.mark.parametrize("leaks", [[], ["--elastic-timer-leaks=warn"]], ids=["auto", "warn"])
 def test_pytest_main_in_a_script_leaves_the_process_as_it_found_it(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, leaks: list[str]
@@ -516,10 +524,7 @@ def test_pytest_main_in_a_script_leaves_the_process_as_it_found_it(
     script. ``sys.meta_path`` is the list it was, not a copy: the first session's
     rewriting hook, and all it holds, stayed in the list the interpreter started with
     (which it keeps to its end) while pytest removed it from the copy."""
-    # A script run from a shell: no session of this suite's around it.
-    for name in [n for n in os.environ if n.startswith("PYTEST_ELASTIC_TIMER")]:
-        monkeypatch.delenv(name)
-    monkeypatch.delenv("TORCHELASTIC_TIMER_FILE", raising=False)
+    _outside_this_suites_session(monkeypatch)  # a script run from a shell
     paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
     shadowing = os.path.join("pytest_elastic_timer", "core", "pythonpath")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in paths if shadowing not in p))
@@ -556,9 +561,7 @@ def test_at_the_end_of_the_process_nothing_of_the_session_stays_reachable(
     ``StashKey[SessionState]`` subscribed at run time, through typing's cache, where the
     interpreter keeps that cache to its end (Python 3.10, 3.12 and 3.13 here); the
     process took milliseconds longer to end."""
-    for name in [n for n in os.environ if n.startswith("PYTEST_ELASTIC_TIMER")]:
-        monkeypatch.delenv(name)
-    monkeypatch.delenv("TORCHELASTIC_TIMER_FILE", raising=False)
+    _outside_this_suites_session(monkeypatch)
     monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
     pytester.makepyfile(test_one="def test_one():\n    assert True\n")
     without = _still_reachable_at_the_end(pytester)
