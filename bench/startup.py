@@ -299,7 +299,7 @@ def _compile_package() -> None:
 
 
 def measure(quick: bool) -> dict[str, Any]:
-    rounds = 6 if quick else 12
+    rounds = 6 if quick else 24
     result: dict[str, Any] = {}
     _compile_package()
     runs = (
