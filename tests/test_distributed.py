@@ -51,7 +51,6 @@ TORCH_BUDGET = 300  # the outer test's own budget (this suite runs under the plu
 RANKS = '''
 import multiprocessing
 import os
-import socket
 import time
 
 import psutil
@@ -66,16 +65,14 @@ import pytest_elastic_timer as et
 PIDS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pids")
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def fresh_store():
+    # A rendezvous file no group used before: a TCP port found free can be taken by
+    # something running beside the session before rank 0 listens on it.
+    return os.path.abspath(f"store-{os.getpid()}-{time.monotonic_ns()}")
 
 
-def join_group(rank, world, port, test):
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
+def join_group(rank, world, store, test):
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     os.makedirs(PIDS, exist_ok=True)
     with open(os.path.join(PIDS, f"{test}-{rank}"), "w") as f:
         f.write(f"{os.getpid()} {time.time()}")
@@ -83,23 +80,23 @@ def join_group(rank, world, port, test):
         time.sleep(3600)  # never joins the collective, and does not exit either
 
 
-def rank_expires(rank, world, port):
+def rank_expires(rank, world, store):
     et.set_label(f"rank {rank}")
-    join_group(rank, world, port, "test_expires")
+    join_group(rank, world, store, "test_expires")
     with et.expires(after=2, scope="allreduce"):
         dist.all_reduce(torch.ones(4))
 
 
-def rank_torch_expires(rank, world, port):
+def rank_torch_expires(rank, world, store):
     et.configure_torch()
-    join_group(rank, world, port, "test_torch_expires")
+    join_group(rank, world, store, "test_torch_expires")
     with timer.expires(after=2, scope="allreduce"):
         dist.all_reduce(torch.ones(4))
 
 
-def rank_file_timer(rank, world, port):
+def rank_file_timer(rank, world, store):
     timer.configure(timer.FileTimerClient(os.environ["TORCHELASTIC_TIMER_FILE"]))
-    join_group(rank, world, port, "test_file_timer")
+    join_group(rank, world, store, "test_file_timer")
     with timer.expires(after=2, scope="allreduce"):
         dist.all_reduce(torch.ones(4))
 
@@ -108,12 +105,12 @@ def launch(target, world=2):
     """Like a launcher: RANK in each rank's environment from its start (a file-timer
     process is labelled from it); when a rank fails, end the others and raise."""
     ctx = multiprocessing.get_context("spawn")
-    port = free_port()
+    store = fresh_store()
     procs = []
     for rank in range(world):
         os.environ["RANK"] = str(rank)
         try:
-            proc = ctx.Process(target=target, args=(rank, world, port))
+            proc = ctx.Process(target=target, args=(rank, world, store))
             proc.start()
         finally:
             del os.environ["RANK"]
@@ -159,7 +156,7 @@ def no_rank_left(request):
 
 @pytest.mark.expires(150)
 def test_expires():
-    tmp.spawn(rank_expires, args=(2, free_port()), nprocs=2, join=True)
+    tmp.spawn(rank_expires, args=(2, fresh_store()), nprocs=2, join=True)
 
 
 @pytest.mark.expires(150)
