@@ -314,6 +314,31 @@ def test_where_pytest_cannot_cache_bytecode_the_ci_outputs_and_the_sessions_end_
         assert rewritten <= ENTRY_MODULES, (path.name, sorted(rewritten - ENTRY_MODULES))
 
 
+TORCH_DISTRIBUTED_TEST = """
+import torch.distributed
+
+
+def test_imports_torch_distributed():
+    # Installed by then: the session's hook wraps torch.distributed's functions.
+    assert "pytest_elastic_timer.scope.collectives" in __import__("sys").modules
+"""
+
+
+def test_where_pytest_cannot_cache_bytecode_the_collectives_recorder_is_not_compiled(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The collectives recorder, loaded when a test imports torch.distributed, comes
+    from its bytecode too: a process of the session that imports torch would otherwise
+    compile it (and what it imports) from source at every start."""
+    pytest.importorskip("torch.distributed", reason="the recorder is loaded with torch")
+    pytester.makeconftest(LOADERS_AT_THE_END_CONFTEST)
+    pytester.makepyfile(test_torch=TORCH_DISTRIBUTED_TEST)
+    result = _run_installed_without_cached_bytecode(pytester, monkeypatch, [])
+    result.assert_outcomes(passed=1)
+    rewritten = set((pytester.path / "rewritten-controller.txt").read_text("utf-8").split())
+    assert rewritten <= ENTRY_MODULES, sorted(rewritten - ENTRY_MODULES)
+
+
 THREAD_PER_TEST_SUITE = """
 import os
 import threading

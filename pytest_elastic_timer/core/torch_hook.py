@@ -34,8 +34,12 @@ def on_import(module: ModuleType | None = None) -> None:
     """torch.distributed is imported: install the recorder. Nothing here may break
     the user's import, so any failure leaves torch as it is."""
     try:
-        __import__(RECORDER)
-        sys.modules[RECORDER].install()
+        # From the bytecode compiled at installation, past pytest's assertion rewriting
+        # (core/plain_imports.py says why): pytest would compile the recorder from
+        # source in every process of the session that imports torch.distributed.
+        from pytest_elastic_timer.core.plain_imports import import_plainly
+
+        import_plainly(RECORDER).install()
     except Exception:  # the recorder is a diagnostic: never the reason an import fails
         pass
 
