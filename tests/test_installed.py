@@ -315,12 +315,14 @@ def test_where_pytest_cannot_cache_bytecode_the_ci_outputs_and_the_sessions_end_
 
 
 TORCH_DISTRIBUTED_TEST = """
+import sys
+
 import torch.distributed
 
 
 def test_imports_torch_distributed():
     # Installed by then: the session's hook wraps torch.distributed's functions.
-    assert "pytest_elastic_timer.scope.collectives" in __import__("sys").modules
+    assert "pytest_elastic_timer.scope.collectives" in sys.modules
 """
 
 
