@@ -17,13 +17,16 @@ the wall clock of a shared machine is not.
 
 The package is measured as users get it: built into a wheel and installed in a virtual
 environment of its own, which sees this environment's other packages (pytest, xdist,
-psutil) through a path file, so nothing is downloaded. In that environment, one more
-pair times the session where pytest cannot cache the bytecode it compiles
-(``PYTHONDONTWRITEBYTECODE=1``, as many container images set) with plugins loaded from
-their entry points, pytest's default, which marks every module of a plugin's
-distribution for assertion rewriting. A second row times this checkout as installed
-for development (``pip install -e``), whose import finder every process, the watchdog
-too, loads at start.
+psutil) through a path file, so nothing is downloaded. In that environment, two more
+pairs time the session with plugins loaded from their entry points, pytest's default:
+pytest then searches the entry points of every installed distribution once, with the
+plugin or without it, where with autoload off each ``-p NAME`` costs that search again
+(some 5 ms here, where this environment's hundred-odd distributions are visible); and
+the same where pytest cannot cache the bytecode it compiles
+(``PYTHONDONTWRITEBYTECODE=1``, as many container images set), where it marks every
+module of a plugin's distribution for assertion rewriting. A second row times this
+checkout as installed for development (``pip install -e``), whose import finder every
+process, the watchdog too, loads at start.
 
 A second pair does the same for an inner session started in-process by ``pytester``
 (the case of another plugin's own test suite, which runs many such sessions): the time
@@ -164,30 +167,38 @@ def whole_sessions(
 
 def installed_sessions(rounds: int, instructions: bool = False) -> dict[str, Any]:
     """:func:`whole_sessions` with the package installed from its wheel, and under
-    ``uncached``, :func:`uncached_sessions` in the same environment."""
+    ``autoload`` and ``uncached``, :func:`autoloaded_sessions` in the same environment,
+    with the bytecode cached and not."""
     with tempfile.TemporaryDirectory() as directory:
         python = _install_wheel(directory)
         result = whole_sessions(rounds, python, instructions)
-        try:
-            result["uncached"] = uncached_sessions(rounds, python)
-        except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
-            result["uncached"] = {"error": str(exc)[:500]}
+        for key, cached in (("autoload", True), ("uncached", False)):
+            try:
+                result[key] = autoloaded_sessions(rounds, python, cached=cached)
+            except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
+                result[key] = {"error": str(exc)[:500]}
         return result
 
 
-def uncached_sessions(rounds: int, python: str) -> dict[str, Any]:
-    """The one-test session where pytest cannot cache the bytecode it compiles
-    (``PYTHONDONTWRITEBYTECODE=1``), with plugins loaded from their entry points, as
-    pytest does by default: pytest then marks every module of each plugin's
-    distribution for assertion rewriting. The other plugins of this environment are
+def autoloaded_sessions(rounds: int, python: str, *, cached: bool) -> dict[str, Any]:
+    """The one-test session with plugins loaded from their entry points, pytest's
+    default. pytest then looks through the entry points of every installed
+    distribution once, with the plugin or without it, where with autoload off each
+    ``-p NAME`` costs that search again. The other plugins of this environment are
     blocked (``-p no:NAME``), so that both configurations load xdist and nothing else;
-    plain pytest blocks this one too."""
+    plain pytest blocks this one too. Not ``cached``: pytest cannot cache the bytecode
+    it compiles (``PYTHONDONTWRITEBYTECODE=1``, as many container images set), and it
+    marks every module of each plugin's distribution for assertion rewriting."""
     listed = subprocess.run(
         [python, "-c", _LIST_PLUGINS], check=True, capture_output=True, text=True
     ).stdout.split()
     blocked = [arg for name in listed if name not in _KEPT for arg in ("-p", f"no:{name}")]
-    env = common.clean_env(PYTHONDONTWRITEBYTECODE="1")
+    env = common.clean_env()
     env.pop("PYTEST_DISABLE_PLUGIN_AUTOLOAD", None)
+    if cached:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+    else:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
     with tempfile.TemporaryDirectory() as directory:
         with open(os.path.join(directory, "test_one.py"), "w", encoding="utf-8") as f:
             f.write(TEST)
@@ -316,6 +327,16 @@ def measure(quick: bool) -> dict[str, Any]:
     return result
 
 
+def _ratio_row(what: str, r: dict[str, Any]) -> str:
+    """The table row of one pair of configurations: its error, or its medians and their
+    ratio."""
+    if "error" in r:
+        return f"| {what} | error: {r['error'][:200]} | | | |"
+    return (
+        f"| {what} | {r['runs']} | {r['plain_ms']:.0f} | {r['plugin_ms']:.0f} | {r['ratio']:.2f}x |"
+    )
+
+
 def render(result: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
     lines = [
         "| One-test session, wall clock | runs | plain ms | with the plugin ms | ratio |",
@@ -331,13 +352,9 @@ def render(result: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
         ("inner", "an in-process `pytester` session of one passing test (development)"),
     ):
         r = result.get(key, {})
-        if "error" in r:
-            lines.append(f"| {what} | error: {r['error'][:200]} | | | |")
-        elif r:
-            lines.append(
-                f"| {what} | {r['runs']} | {r['plain_ms']:.0f} | {r['plugin_ms']:.0f} "
-                f"| {r['ratio']:.2f}x |"
-            )
+        if r:
+            lines.append(_ratio_row(what, r))
+        if r and "error" not in r:
             if "plugin_cpu_ms" in r:
                 lines.append(
                     f"| … its CPU time, every process of the machine (mean; "
@@ -358,18 +375,19 @@ def render(result: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
                     f"the leak check's subreaper) | {r['runs']} | {r['plain_ms']:.0f} "
                     f"| {r['used_ms']:.0f} | {r['used_ratio']:.2f}x |"
                 )
-            uncached = r.get("uncached", {})
-            what = (
-                "… where pytest cannot cache bytecode (`PYTHONDONTWRITEBYTECODE=1`, plugins "
-                "loaded from their entry points, others than xdist blocked)"
-            )
-            if "error" in uncached:
-                lines.append(f"| {what} | error: {uncached['error'][:200]} | | | |")
-            elif uncached:
-                lines.append(
-                    f"| {what} | {uncached['runs']} | {uncached['plain_ms']:.0f} "
-                    f"| {uncached['plugin_ms']:.0f} | {uncached['ratio']:.2f}x |"
-                )
+            for variant, what in (
+                (
+                    "autoload",
+                    "… plugins loaded from their entry points, pytest's default (one search "
+                    "of the installed distributions in both; others than xdist blocked)",
+                ),
+                (
+                    "uncached",
+                    "… the same where pytest cannot cache bytecode (`PYTHONDONTWRITEBYTECODE=1`)",
+                ),
+            ):
+                if r.get(variant):
+                    lines.append(_ratio_row(what, r[variant]))
     session = result.get("session", {})
     ratio = session.get("ratio")
     checks = [
