@@ -352,42 +352,44 @@ def render(result: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
         ("inner", "an in-process `pytester` session of one passing test (development)"),
     ):
         r = result.get(key, {})
-        if r:
-            lines.append(_ratio_row(what, r))
-        if r and "error" not in r:
-            if "plugin_cpu_ms" in r:
-                lines.append(
-                    f"| … its CPU time, every process of the machine (mean; "
-                    f"a watchdog runs in a process of its own) | {r['runs']} "
-                    f"| {r['plain_cpu_ms']:.0f} | {r['plugin_cpu_ms']:.0f} "
-                    f"| {r['plugin_cpu_ms'] / r['plain_cpu_ms']:.2f}x |"
-                )
-            if "plugin_instructions" in r:
-                plain_i, plugin_i = r["plain_instructions"], r["plugin_instructions"]
-                lines.append(
-                    f"| … instructions of the pytest process (callgrind, once each; the "
-                    f"same from run to run) | 1 | {plain_i / 1e6:,.0f} M | "
-                    f"{plugin_i / 1e6:,.0f} M | {plugin_i / plain_i:.2f}x |"
-                )
-            if "used_ms" in r:
-                lines.append(
-                    f"| … with `{' '.join(USED)}`: the session uses the plugin (phase scopes, "
-                    f"the leak check's subreaper) | {r['runs']} | {r['plain_ms']:.0f} "
-                    f"| {r['used_ms']:.0f} | {r['used_ratio']:.2f}x |"
-                )
-            for variant, what in (
-                (
-                    "autoload",
-                    "… plugins loaded from their entry points, pytest's default (one search "
-                    "of the installed distributions in both; others than xdist blocked)",
-                ),
-                (
-                    "uncached",
-                    "… the same where pytest cannot cache bytecode (`PYTHONDONTWRITEBYTECODE=1`)",
-                ),
-            ):
-                if r.get(variant):
-                    lines.append(_ratio_row(what, r[variant]))
+        if not r:
+            continue
+        lines.append(_ratio_row(what, r))
+        if "error" in r:
+            continue
+        if "plugin_cpu_ms" in r:
+            lines.append(
+                f"| … its CPU time, every process of the machine (mean; "
+                f"a watchdog runs in a process of its own) | {r['runs']} "
+                f"| {r['plain_cpu_ms']:.0f} | {r['plugin_cpu_ms']:.0f} "
+                f"| {r['plugin_cpu_ms'] / r['plain_cpu_ms']:.2f}x |"
+            )
+        if "plugin_instructions" in r:
+            plain_i, plugin_i = r["plain_instructions"], r["plugin_instructions"]
+            lines.append(
+                f"| … instructions of the pytest process (callgrind, once each; the "
+                f"same from run to run) | 1 | {plain_i / 1e6:,.0f} M | "
+                f"{plugin_i / 1e6:,.0f} M | {plugin_i / plain_i:.2f}x |"
+            )
+        if "used_ms" in r:
+            lines.append(
+                f"| … with `{' '.join(USED)}`: the session uses the plugin (phase scopes, "
+                f"the leak check's subreaper) | {r['runs']} | {r['plain_ms']:.0f} "
+                f"| {r['used_ms']:.0f} | {r['used_ratio']:.2f}x |"
+            )
+        for variant, what in (
+            (
+                "autoload",
+                "… plugins loaded from their entry points, pytest's default (one search "
+                "of the installed distributions in both; others than xdist blocked)",
+            ),
+            (
+                "uncached",
+                "… the same where pytest cannot cache bytecode (`PYTHONDONTWRITEBYTECODE=1`)",
+            ),
+        ):
+            if r.get(variant):
+                lines.append(_ratio_row(what, r[variant]))
     session = result.get("session", {})
     ratio = session.get("ratio")
     checks = [
