@@ -21,7 +21,7 @@ psutil) through a path file, so nothing is downloaded. In that environment, two 
 pairs time the session with plugins loaded from their entry points, pytest's default:
 pytest then searches the entry points of every installed distribution once, with the
 plugin or without it, where with autoload off each ``-p NAME`` costs that search again
-(some 5 ms here, where this environment's hundred-odd distributions are visible); and
+(5 to 10 ms here, where this environment's hundred-odd distributions are visible); and
 the same where pytest cannot cache the bytecode it compiles
 (``PYTHONDONTWRITEBYTECODE=1``, as many container images set), where it marks every
 module of a plugin's distribution for assertion rewriting. A second row times this
