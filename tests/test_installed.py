@@ -1748,6 +1748,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import pytest_elastic_timer as et
@@ -1791,6 +1792,22 @@ def test_a_deadline_in_frozen_time_is_on_the_real_clock():
                     os.times()
     assert info.value.scope.endswith("/frozen")
     assert 0.3 <= info.value.elapsed < 5
+
+
+def test_a_torch_clients_expiration_in_frozen_time_keeps_its_budget():
+    # torch's expires() reads the test's time.time(), frozen here: the client turns the
+    # expiration into a budget on that clock, and enforces it on the real one.
+    client = et.TimerClient()
+    with freeze_time("2012-01-14"):
+        with pytest.raises(et.ScopeExpired) as info:
+            try:
+                client.acquire("frozen-torch", time.time() + 0.3)
+                while True:
+                    os.times()
+            finally:
+                client.release("frozen-torch")
+    assert info.value.scope.endswith("frozen-torch")
+    assert info.value.budget == pytest.approx(0.3) and 0.3 <= info.value.elapsed < 5
 
 
 def test_moving_frozen_time_expires_nothing():
@@ -1843,7 +1860,8 @@ def test_frozen_time_and_blocked_sockets_change_nothing(
     """Under freezegun's frozen clock and pytest-socket's blocked sockets, scopes expire
     on the real clock (after their budget, not never or at once), in the test, a child
     and a forked child, a session-wide event works, a nested session starts and stops
-    its watchdog, and a hang is reported by its scope."""
+    its watchdog, and a hang is reported by its scope. A torch client's expiration time,
+    a time.time() value on the test's frozen clock, keeps its budget."""
     pytest.importorskip("freezegun")
     pytest.importorskip("pytest_socket")
     pytester.makepyfile(test_frozen=FROZEN_BLOCKED_SUITE)
@@ -1860,7 +1878,7 @@ def test_frozen_time_and_blocked_sockets_change_nothing(
         "xdist",
         *blocking,
     )
-    result.assert_outcomes(passed=4, failed=1)
+    result.assert_outcomes(passed=5, failed=1)
     hung = r"scope 'test_a_hang_with_time_frozen::call/hung' expired after 0\.\d\ds"
     result.stdout.re_match_lines([rf".*{hung} \(budget 0\.5s\): interrupted"])
 
