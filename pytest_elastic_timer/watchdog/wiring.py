@@ -23,16 +23,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pytest_elastic_timer.sync import protocol
-from pytest_elastic_timer.watchdog import proctree, remote_host
+from pytest_elastic_timer.watchdog import proctree
 from pytest_elastic_timer.watchdog.control import StdinRelay
 from pytest_elastic_timer.watchdog.file_timer import FileTimerIntake
 from pytest_elastic_timer.watchdog.forwarded import ForwardedRecords
 from pytest_elastic_timer.watchdog.loop import Clock
-from pytest_elastic_timer.watchdog.remote_host import HostRole
 from pytest_elastic_timer.watchdog.server import Terminated, Watchdog
 
 if TYPE_CHECKING:
     from pytest_elastic_timer.sync.server import Handler, SyncServer
+    from pytest_elastic_timer.watchdog.remote_host import HostRole
 
 
 class SyncIntake:
@@ -106,15 +106,17 @@ def build(
     junit_xml: str | None = None,
     clock: Clock = time.monotonic,
     host_name: str | None = None,
-    linger: float = remote_host.DEFAULT_LINGER,
+    linger: float | None = None,
     fifo_fd: int = -1,
     **settings: Any,
 ) -> Assembly:
     """A watchdog serving ``directory`` for the session below ``root``, with every
     intake plugged in; ``settings`` are :class:`Watchdog`'s keyword arguments. With
     ``host_name``, the watchdog of that host, which is not the controller's: the
-    workers there join it (``root`` is the one that started it). ``fifo_fd``: the read
-    end of the torch file-timer FIFO that the plugin made (-1: make one)."""
+    workers there join it (``root`` is the one that started it), and it ends ``linger``
+    seconds after their gateways (None: :data:`.remote_host.DEFAULT_LINGER`).
+    ``fifo_fd``: the read end of the torch file-timer FIFO that the plugin made (-1:
+    make one)."""
     dog = Watchdog(directory, root=root, clock=clock, root_is_pytest=host_name is None, **settings)
     file_timers = FileTimerIntake(dog, directory, fifo_fd)
     dog.add_reader(file_timers.read_fd, file_timers.readable)
@@ -126,7 +128,13 @@ def build(
         dog.on_finish(lambda: _junit_if_pytest_died(dog, junit_xml))
     remote = None
     if host_name is not None:
-        remote = remote_host.install(dog, host_name, linger)
+        # Only here: a host's role loads what identifies hosts (hashlib, tempfile), which
+        # the controller's watchdog, started with every session, does not need.
+        from pytest_elastic_timer.watchdog import remote_host
+
+        remote = remote_host.install(
+            dog, host_name, remote_host.DEFAULT_LINGER if linger is None else linger
+        )
     else:
         forwarded = ForwardedRecords(dog, root.pid, dog.workers.add)
         for op, handler in forwarded.handlers().items():
@@ -171,7 +179,7 @@ def main(argv: list[str] | None = None, relay: StdinRelay | None = None) -> int:
         help="the watchdog of this host, not the controller's: workers join it, and it "
         "ends with their gateways (watchdog/remote_host.py); records name this host",
     )
-    parser.add_argument("--linger", type=float, default=remote_host.DEFAULT_LINGER)
+    parser.add_argument("--linger", type=float, default=None)
     parser.add_argument(
         "--listen-fd",
         type=int,
