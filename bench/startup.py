@@ -13,7 +13,9 @@ that uses the plugin, whose test runs in phase scopes and whose process becomes 
 check's subreaper (a session that does not use the plugin is left without one). A full
 run also counts the instructions of the pytest process of one session of each, plain
 and with the plugin (callgrind; the watchdog runs outside valgrind): repeatable where
-the wall clock of a shared machine is not.
+the wall clock of a shared machine is not. The pair of plain pytest and the plugin is
+timed once more with every process held to one core (``sched_setaffinity``), as in a
+container given one CPU, where the watchdog starts on the core that runs pytest.
 
 The package is measured as users get it: built into a wheel and installed in a virtual
 environment of its own, which sees this environment's other packages (pytest, xdist,
@@ -45,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -143,7 +146,7 @@ def _instructions(argv: list[str], env: dict[str, str], cwd: str) -> int | None:
 
 
 def whole_sessions(
-    rounds: int, python: str = common.PYTHON, instructions: bool = False
+    rounds: int, python: str = common.PYTHON, instructions: bool = False, one_core: bool = False
 ) -> dict[str, Any]:
     env = common.clean_env(PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
     with tempfile.TemporaryDirectory() as directory:
@@ -159,10 +162,34 @@ def whole_sessions(
             name: _instructions(argvs[name], env, directory) if instructions else None
             for name in ("plain", "plugin")
         }
+        on_one_core = None
+        if one_core:
+            pair = {name: argvs[name] for name in ("plain", "plugin")}
+            on_one_core = _on_one_core(lambda: _interleaved(pair, env, directory, rounds))
     summary = _summary(times)
     if counted["plain"] and counted["plugin"]:
         summary.update(plain_instructions=counted["plain"], plugin_instructions=counted["plugin"])
+    if on_one_core is not None:
+        summary["one_core"] = _summary(on_one_core)
     return summary
+
+
+def _on_one_core(
+    run: Callable[[], dict[str, list[float]]],
+) -> dict[str, list[float]] | None:
+    """``run`` with this process, and so every process it starts, held to one core:
+    a container given one CPU, where the watchdog's start competes with pytest for it
+    instead of running beside it. None where the affinity cannot be set here."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    cores = os.sched_getaffinity(0)
+    if len(cores) < 2:
+        return None  # one core already: the main pair measured it
+    os.sched_setaffinity(0, {min(cores)})
+    try:
+        return run()
+    finally:
+        os.sched_setaffinity(0, cores)
 
 
 def installed_sessions(rounds: int, instructions: bool = False) -> dict[str, Any]:
@@ -171,7 +198,7 @@ def installed_sessions(rounds: int, instructions: bool = False) -> dict[str, Any
     with the bytecode cached and not."""
     with tempfile.TemporaryDirectory() as directory:
         python = _install_wheel(directory)
-        result = whole_sessions(rounds, python, instructions)
+        result = whole_sessions(rounds, python, instructions, one_core=True)
         for key, cached in (("autoload", True), ("uncached", False)):
             try:
                 result[key] = autoloaded_sessions(rounds, python, cached=cached)
@@ -378,6 +405,11 @@ def render(result: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
                 f"| {r['used_ms']:.0f} | {r['used_ratio']:.2f}x |"
             )
         for variant, what in (
+            (
+                "one_core",
+                "… held to one core, as in a container given one CPU: the watchdog's start "
+                "competes with pytest for it",
+            ),
             (
                 "autoload",
                 "… plugins loaded from their entry points, pytest's default (one search "
