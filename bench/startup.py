@@ -7,7 +7,10 @@ this plugin. Both have ``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1`` and load pytest-xdis
 cost); the second also loads ``-p elastic_timer``. The pairs alternate, so drift of the
 machine hits both alike; the result is the median of each configuration and their ratio.
 Its output is read through pipes, as a shell or a CI step reads it: the command ends when
-the last process holding them lets go, which can be the watchdog. A third configuration,
+the last process holding them lets go, which can be the watchdog. What a run leaves
+running (a watchdog that finishes after pytest has gone) is waited for, uncounted,
+before the next run starts (this process adopts orphans as a subreaper), and the CPU
+time of all of a run's processes is given beside its wall clock. A third configuration,
 interleaved with them, gives the plugin a default budget (``--expires=30``): a session
 that uses the plugin, whose test runs in phase scopes and whose process becomes the leak
 check's subreaper (a session that does not use the plugin is left without one). A full
@@ -41,7 +44,9 @@ session: a watchdog, were one started, would run in a process of its own.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -104,25 +109,61 @@ def _session_argv(
 
 
 def _time(argv: list[str], env: dict[str, str], cwd: str) -> float:
+    """The wall clock of ``argv`` until it exits and its output ends (what a shell or a
+    CI step waits for). The processes it leaves running are waited for after that,
+    uncounted: a watchdog that finishes once pytest has gone must not run into the
+    next command timed (see :func:`_adopt_orphans`)."""
     start = time.perf_counter()
     done = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True)
     elapsed = time.perf_counter() - start
+    _reap_children()
     if done.returncode != 0:
         raise RuntimeError(f"{argv} exited {done.returncode}: {done.stdout[-500:]}")
     return elapsed
+
+
+def _adopt_orphans() -> None:
+    """Make this process a subreaper: the watchdog, which its shell leaves orphaned,
+    becomes this process's child, so that :func:`_reap_children` can wait for it."""
+    import ctypes
+
+    PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def _reap_children() -> None:
+    """Wait for every child of this process to end (orphans adopted included)."""
+    while True:
+        try:
+            os.wait()
+        except ChildProcessError:
+            return
+
+
+def _children_cpu() -> float:
+    """CPU seconds of this process's children that have ended and been waited for."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _interleaved(
     argvs: dict[str, list[str]], env: dict[str, str], cwd: str, rounds: int
 ) -> dict[str, list[float]]:
     """Each command of ``argvs`` timed ``rounds`` times, in turn, after one run each that
-    warms the file cache and the bytecode."""
+    warms the file cache and the bytecode; beside each name's times, under
+    ``"<name> cpu"``, the CPU time of every process of each run (the watchdog to its
+    end included)."""
     for argv in argvs.values():
         _time(argv, env, cwd)
-    times: dict[str, list[float]] = {name: [] for name in argvs}
+    times: dict[str, list[float]] = {}
+    for name in argvs:
+        times[name], times[f"{name} cpu"] = [], []
     for _ in range(rounds):
         for name, argv in argvs.items():
+            cpu = _children_cpu()
             times[name].append(_time(argv, env, cwd))
+            times[f"{name} cpu"].append(_children_cpu() - cpu)
     return times
 
 
@@ -321,6 +362,11 @@ def _summary(times: dict[str, list[float]]) -> dict[str, Any]:
         "plain_all_ms": [t * 1e3 for t in times["plain"]],
         "plugin_all_ms": [t * 1e3 for t in times["plugin"]],
     }
+    if times.get("plugin cpu"):
+        summary.update(
+            plain_session_cpu_ms=common.median(times["plain cpu"]) * 1e3,
+            plugin_session_cpu_ms=common.median(times["plugin cpu"]) * 1e3,
+        )
     if times.get("used"):
         used = common.median(times["used"])
         summary.update(used_ms=used * 1e3, used_ratio=used / plain)
@@ -340,6 +386,7 @@ def measure(quick: bool) -> dict[str, Any]:
     rounds = 6 if quick else 24
     result: dict[str, Any] = {}
     _compile_package()
+    _adopt_orphans()
     runs = (
         # Instructions only in a full run: valgrind takes some seconds a session.
         ("session", lambda rounds: installed_sessions(rounds, instructions=not quick)),
@@ -359,9 +406,12 @@ def _ratio_row(what: str, r: dict[str, Any]) -> str:
     ratio."""
     if "error" in r:
         return f"| {what} | error: {r['error'][:200]} | | | |"
-    return (
-        f"| {what} | {r['runs']} | {r['plain_ms']:.0f} | {r['plugin_ms']:.0f} | {r['ratio']:.2f}x |"
-    )
+    return _pair_row(what, r["runs"], r["plain_ms"], r["plugin_ms"])
+
+
+def _pair_row(what: str, runs: int, plain: float, plugin: float) -> str:
+    """A table row: what is compared, over how many runs, both figures, their ratio."""
+    return f"| {what} | {runs} | {plain:.0f} | {plugin:.0f} | {plugin / plain:.2f}x |"
 
 
 def render(result: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
@@ -385,11 +435,13 @@ def render(result: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
         if "error" in r:
             continue
         if "plugin_cpu_ms" in r:
+            what = "… its CPU time, every process of the machine (mean; a watchdog runs in a "
+            what += "process of its own)"
+            lines.append(_pair_row(what, r["runs"], r["plain_cpu_ms"], r["plugin_cpu_ms"]))
+        if "plugin_session_cpu_ms" in r:
+            what = "… CPU time of the run's processes (pytest, and the watchdog to its end; median)"
             lines.append(
-                f"| … its CPU time, every process of the machine (mean; "
-                f"a watchdog runs in a process of its own) | {r['runs']} "
-                f"| {r['plain_cpu_ms']:.0f} | {r['plugin_cpu_ms']:.0f} "
-                f"| {r['plugin_cpu_ms'] / r['plain_cpu_ms']:.2f}x |"
+                _pair_row(what, r["runs"], r["plain_session_cpu_ms"], r["plugin_session_cpu_ms"])
             )
         if "plugin_instructions" in r:
             plain_i, plugin_i = r["plain_instructions"], r["plugin_instructions"]
@@ -399,11 +451,9 @@ def render(result: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
                 f"{plugin_i / 1e6:,.0f} M | {plugin_i / plain_i:.2f}x |"
             )
         if "used_ms" in r:
-            lines.append(
-                f"| … with `{' '.join(USED)}`: the session uses the plugin (phase scopes, "
-                f"the leak check's subreaper) | {r['runs']} | {r['plain_ms']:.0f} "
-                f"| {r['used_ms']:.0f} | {r['used_ratio']:.2f}x |"
-            )
+            what = f"… with `{' '.join(USED)}`: the session uses the plugin (phase scopes, "
+            what += "the leak check's subreaper)"
+            lines.append(_pair_row(what, r["runs"], r["plain_ms"], r["used_ms"]))
         for variant, what in (
             (
                 "one_core",

@@ -2030,6 +2030,49 @@ def test_a_piped_session_ends_while_its_watchdog_still_works(pytester: pytest.Py
         os.waitpid(stray, 0)
 
 
+# Writes the command line of the session's watchdog to watchdog-argv.txt.
+WATCHDOG_ARGV = """
+import os
+
+
+def test_watchdog_argv():
+    directory = os.path.dirname(os.environ["PYTEST_ELASTIC_TIMER"]).encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\\0")
+        except OSError:
+            continue
+        if b"pytest_elastic_timer.watchdog" in argv and directory in argv:
+            with open("watchdog-argv.txt", "wb") as out:
+                out.write(b" ".join(argv))
+            return
+    raise AssertionError("no watchdog")
+"""
+
+
+@pytest.mark.parametrize("report", [False, True], ids=["not-waited-for", "report"])
+def test_a_watchdog_loads_late_only_where_pytest_does_not_wait_for_it(
+    pytester: pytest.Pytester, report: bool
+) -> None:
+    """Where pytest does not wait for its watchdog at the end, the watchdog loads its
+    modules late (``--defer``): a one-test session ends before it loads anything. With
+    a report to read back, pytest would wait for that loading at the end: it loads at
+    once, beside the session."""
+    pytester.makepyfile(test_argv=WATCHDOG_ARGV)
+    argv = [sys.executable, "-m", "pytest", *LEAN]
+    if report:
+        argv += ["--elastic-timer-report", "report.json"]
+    with top_level_environment():
+        done = subprocess.run(argv, cwd=pytester.path, capture_output=True, timeout=60)
+    output = done.stdout.decode()
+    assert done.returncode == 0, output
+    assert wait_gone(_watchdog_pid(output.splitlines()), 30.0)
+    deferred = "--defer" in (pytester.path / "watchdog-argv.txt").read_text()
+    assert deferred is not report
+    assert os.path.exists(pytester.path / "report.json") is report
+
+
 @pytest.mark.parametrize("subreaper", [False, True], ids=["orphan", "adopted"])
 def test_a_session_with_nothing_to_read_back_does_not_wait_for_its_watchdog(
     subreaper: bool,

@@ -815,6 +815,95 @@ def test_a_stop_not_waited_for_lets_go_of_the_output_while_the_modules_still_loa
                 stream.close()
 
 
+def _loaded_psutil(pid: int) -> bool:
+    """Whether process ``pid`` has loaded psutil (its C extension is mapped): the
+    watchdog's modules are loaded."""
+    with open(f"/proc/{pid}/maps", encoding="utf-8") as f:
+        return "_psutil_linux" in f.read()
+
+
+@contextlib.contextmanager
+def deferred_watchdog(defer: float, *extra: str) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """A watchdog process started as the launcher starts one for a session that does
+    not wait for it (``--defer``), the session's root a sleeping process of ours; the
+    watchdog, and the root's pid. Both are ended and reaped at the end."""
+    root = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    directory = tempfile.mkdtemp(prefix="pet-unit-")
+    watchdog = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "pytest_elastic_timer.watchdog", "--dir", directory),
+            *("--root-pid", str(root.pid), "--defer", repr(defer), *extra),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        yield watchdog, root.pid
+    finally:
+        for process in (watchdog, root):
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+        for stream in (watchdog.stdin, watchdog.stdout):
+            if stream is not None:
+                stream.close()
+        assert not os.path.exists(directory)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_a_deferred_watchdog_stopped_early_loads_nothing_until_pytest_has_exited() -> None:
+    """A short session's stop comes before the deferral is over: the watchdog loads its
+    modules only once the root has exited, then finishes the session as usual."""
+    with deferred_watchdog(30) as (watchdog, root_pid):
+        assert watchdog.stdin is not None
+        time.sleep(0.2)
+        assert not _loaded_psutil(watchdog.pid)
+        watchdog.stdin.write(STOP_NOT_WAITED)
+        watchdog.stdin.close()
+        time.sleep(0.5)  # the stop heard, the root still running
+        assert watchdog.poll() is None and not _loaded_psutil(watchdog.pid)
+        os.kill(root_pid, signal.SIGKILL)
+        assert watchdog.wait(timeout=30) == 0
+
+
+def test_a_deferred_watchdog_loads_once_the_session_has_run_that_long() -> None:
+    with deferred_watchdog(0.3) as (watchdog, _):
+        assert watchdog.stdin is not None and watchdog.stdout is not None
+        started = time.monotonic()
+        assert watchdog.stdout.readline().startswith(b"ready ")  # said once it is up
+        assert time.monotonic() - started >= 0.3
+        assert _loaded_psutil(watchdog.pid)
+        watchdog.stdin.write(STOP_NOT_WAITED)
+        watchdog.stdin.close()
+        assert watchdog.wait(timeout=30) == 0
+
+
+def test_pytests_death_ends_a_watchdogs_deferral_at_once(tmp_path: Path) -> None:
+    """End-of-file on the control pipe without a stop: pytest died, and the watchdog
+    loads at once to end the session, with its report, however long its deferral."""
+    report = tmp_path / "report.json"
+    with deferred_watchdog(60, "--report", str(report)) as (watchdog, root_pid):
+        assert watchdog.stdin is not None
+        time.sleep(0.2)
+        os.kill(root_pid, signal.SIGKILL)
+        watchdog.stdin.close()
+        assert watchdog.wait(timeout=30) == 0
+    assert json.loads(report.read_text())["session"]["root_died"] is True
+
+
+def test_sigterm_while_a_watchdog_defers_ends_the_session_with_its_report(tmp_path: Path) -> None:
+    """SIGTERM before the watchdog's handlers are in place waits for them: the session
+    then ends as one terminated later does, with its report, not the process at once."""
+    report = tmp_path / "report.json"
+    with deferred_watchdog(1.0, "--report", str(report)) as (watchdog, _):
+        time.sleep(0.2)
+        watchdog.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        assert watchdog.poll() is None  # held, not its default action
+        assert watchdog.wait(timeout=30) == 0
+    assert json.loads(report.read_text())["session"]["root_died"] is True
+
+
 @pytest.mark.parametrize(
     "command",
     [STOP_WAITED + b"x" * 200_000, b"not a command\n" + STOP_NOT_WAITED],

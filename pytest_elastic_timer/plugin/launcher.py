@@ -33,6 +33,12 @@ _waitid = unpatched.waitid
 _pidfd_open = unpatched.pidfd_open
 
 SOCKET_NAME = "watchdog.sock"  # in the session directory, as the watchdog names it
+# Seconds the watchdog of a session whose end pytest does not wait for waits before it
+# loads its modules (the ``--defer`` of ``python -m pytest_elastic_timer.watchdog``): a
+# one-test session ends sooner, and its watchdog then loads them after pytest has gone,
+# where they took a core beside it (or, with one core, half of pytest's). The
+# processes of a session wait for the watchdog's answer meanwhile, as while it starts.
+DEFER_UNWAITED = 0.3
 HOST_WATCHDOG_ERRORS = "watchdog.err"  # a host watchdog's stderr, in its directory
 MAX_SOCKET_PATH = 107  # bytes of a socket's path: sun_path holds 108, with its NUL
 LISTEN_BACKLOG = 128
@@ -306,8 +312,13 @@ def start(
     dump_signal: int = 0,
     junit_xml: str | None = None,
     trace: bool = False,
+    defer: float = 0.0,
 ) -> WatchdogHandle:
     """Start a watchdog for this process's session, without waiting for it.
+
+    With ``defer``, the watchdog loads its modules only once the session has run that
+    many seconds, or at its end: for a session whose end this process does not wait
+    for (see :data:`DEFER_UNWAITED`).
 
     The session's socket is bound and listening before the watchdog process starts
     (it inherits the socket, as socket activation does): a process may connect at once,
@@ -349,6 +360,8 @@ def start(
                 argv += ["--junit-xml", os.path.abspath(junit_xml)]
             if trace:
                 argv.append("--trace")
+            if defer > 0:
+                argv += ["--defer", repr(defer)]
             detached = _spawn_detached(argv, env, listener.fileno(), fifo_fd)
             if detached is None:  # no pidfds or no shell here: a child of this process
                 argv += ["--listen-fd", str(listener.fileno()), "--fifo-fd", str(fifo_fd)]

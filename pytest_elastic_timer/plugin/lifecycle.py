@@ -70,6 +70,7 @@ def start_watchdog(config: pytest.Config, state: SessionState) -> None:
             dump_signal=startup.session_dump_signal(),
             junit_xml=_junit_path(config),
             trace=bool(settings.trace),
+            defer=0.0 if waits_for_watchdog(config, state) else launcher.DEFER_UNWAITED,
         )
     except (launcher.WatchdogError, OSError) as exc:  # spawning it failed
         warn_without_watchdog(config, f"{exc}; scopes are enforced in-process only")
@@ -229,16 +230,25 @@ def stop_watchdog(config: pytest.Config, state: SessionState, end: dict[str, Any
     process = scopes.current_state()
     if process is not None:
         process.send_unsent_before_leaving()
-    # Files the user reads after pytest: the JSON report, and the JUnit file, which is
-    # the watchdog's only if pytest died (waited for all the same).
-    files = bool(state.settings.report or config.getoption("xmlpath", None))
-    # A session run in-process inside another pytest (pytester) leaves that process as
-    # it found it: no child to reap later, no pidfd open.
     nested = not state.ends_with_its_process
-    if nested and not files and _not_up_and_alone(state):
+    if nested and not _writes_files(config, state) and _not_up_and_alone(state):
         state.watchdog.discard()  # waiting would cost its whole start-up
     else:
-        state.watchdog.stop(end, wait=files or nested)
+        state.watchdog.stop(end, wait=waits_for_watchdog(config, state))
+
+
+def waits_for_watchdog(config: pytest.Config, state: SessionState) -> bool:
+    """Whether this session waits for its watchdog at its end: it writes files the user
+    reads after pytest, or it runs in-process inside another pytest (pytester), which it
+    leaves as it found it: no child to reap later, no pidfd open."""
+    return _writes_files(config, state) or not state.ends_with_its_process
+
+
+def _writes_files(config: pytest.Config, state: SessionState) -> bool:
+    """Whether the watchdog writes files the user reads after pytest: the JSON report,
+    and the JUnit file, which is the watchdog's only if pytest died (waited for all the
+    same)."""
+    return bool(state.settings.report or config.getoption("xmlpath", None))
 
 
 def _not_up_and_alone(state: SessionState) -> bool:

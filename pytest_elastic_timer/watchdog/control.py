@@ -20,11 +20,16 @@ import contextlib
 import fcntl
 import json
 import os
+import signal
 import threading
 from typing import Any
 
 STOP = "stop"
 RELAY_THREAD = "elastic-timer-control"
+# What else ends a session, with its report: held from the watchdog's first line (its
+# entry module) until its loop runs, so that one that comes while the watchdog loads
+# ends the session as a later one does, rather than the process at once.
+TERMINATING = (signal.SIGTERM, signal.SIGHUP)
 
 
 def stop_command(line: bytes) -> dict[str, Any] | None:
@@ -69,12 +74,26 @@ class StdinRelay:
         # Above the standard descriptors: one of them closed at start would otherwise be
         # the relay's own pipe, read as stdin or overwritten by leave_output().
         self._read_end, self._write_end = (_above_stdio(end) for end in os.pipe())
+        # Set once pytest's command has come whole, or stdin ended without one.
+        self._heard = threading.Event()
+        self._stop: dict[str, Any] | None = None  # that command, if it is a stop
         self.thread = threading.Thread(target=self._run, name=RELAY_THREAD, daemon=True)
         self.thread.start()
 
     def fileno(self) -> int:
         """The read end of the relay's pipe."""
         return self._read_end
+
+    def wait_for_end(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds for the session's end: pytest's command
+        (passed on to the pipe, the output let go of if pytest does not wait), or the
+        end of stdin. Whether it came."""
+        return self._heard.wait(timeout)
+
+    def left_without_waiting(self) -> bool:
+        """Whether pytest said stop and does not wait for this process: it is about
+        to exit, and nothing of what is left to do here is read back."""
+        return self._stop is not None and self._stop.get("waited") is False
 
     def _run(self) -> None:
         first_line = b""
@@ -85,7 +104,7 @@ class StdinRelay:
                     first_line += data
                     if b"\n" in first_line:
                         looking = False
-                        command = stop_command(first_line.split(b"\n", 1)[0])
+                        command = self._stop = stop_command(first_line.split(b"\n", 1)[0])
                         if command is not None and command.get("waited") is False:
                             # Out of descriptors, say: the output stays held, but the
                             # stop must still reach the loop (end-of-file without it
@@ -95,10 +114,13 @@ class StdinRelay:
                 view = memoryview(data)
                 while view:  # a write into a full pipe may be cut short by a signal
                     view = view[os.write(self._write_end, view) :]
+                if not looking:
+                    self._heard.set()
         except OSError:
             pass  # stdin went bad: its end-of-file, as far as the loop can tell
         finally:
             os.close(self._write_end)
+            self._heard.set()
 
 
 def _above_stdio(fd: int) -> int:

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import psutil
@@ -208,9 +209,13 @@ class Watchdog:
         seconds), then handle everything due."""
         self.loop.run_once(max_wait)
 
-    def serve(self) -> None:
-        """Run until stopped, then finish the session."""
+    def serve(self, held: Collection[int] = ()) -> None:
+        """Run until stopped, then finish the session. The signals ``held`` (blocked
+        until now) are let through first: one that came meanwhile ends the session as a
+        later one does."""
         try:
+            if held:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
             while not self.stopping:
                 self.run_once()
         except Terminated:

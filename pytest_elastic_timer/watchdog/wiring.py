@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pytest_elastic_timer.sync import protocol
-from pytest_elastic_timer.watchdog import proctree
+from pytest_elastic_timer.watchdog import control, proctree
 from pytest_elastic_timer.watchdog.control import StdinRelay
 from pytest_elastic_timer.watchdog.file_timer import FileTimerIntake
 from pytest_elastic_timer.watchdog.forwarded import ForwardedRecords
@@ -192,11 +192,18 @@ def main(argv: list[str] | None = None, relay: StdinRelay | None = None) -> int:
         default=-1,
         help="the read end of the session's torch file-timer FIFO, made already (inherited)",
     )
+    parser.add_argument(
+        "--defer",
+        type=float,
+        default=0.0,
+        help="seconds to wait for the session's end before loading the watchdog's modules "
+        "(read by __main__; pytest does not wait for this session's end)",
+    )
     args = parser.parse_args(argv)
     # Ctrl-C reaches the whole process group; pytest decides how the session ends.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _on_terminate)
-    signal.signal(signal.SIGHUP, _on_terminate)
+    for signum in control.TERMINATING:
+        signal.signal(signum, _on_terminate)
     listener = None
     if args.listen_fd >= 0:
         listener = socket.socket(fileno=args.listen_fd)
@@ -230,5 +237,7 @@ def main(argv: list[str] | None = None, relay: StdinRelay | None = None) -> int:
     ).dog
     sys.stdout.write(f"ready {os.getpid()} {dog.address}\n")
     sys.stdout.flush()
-    dog.serve()
+    # Held since the process started (__main__): one that came while the watchdog
+    # loaded ends the session as a later one does.
+    dog.serve(held=control.TERMINATING)
     return 0
