@@ -31,7 +31,7 @@ from helpers import (
     wait_gone,
 )
 
-from pytest_elastic_timer.plugin import launcher, leaks
+from pytest_elastic_timer.plugin import launcher, leaks, lifecycle
 
 BEFORE = """
 def test_before():
@@ -2071,6 +2071,31 @@ def test_a_watchdog_loads_late_only_where_pytest_does_not_wait_for_it(
     deferred = "--defer" in (pytester.path / "watchdog-argv.txt").read_text()
     assert deferred is not report
     assert os.path.exists(pytester.path / "report.json") is report
+
+
+def test_a_deadline_the_late_watchdog_would_miss_hurries_it() -> None:
+    """The pytest process tells a watchdog that loads late to load now for a deadline
+    it would load too late for, once; a later deadline (a 30 s budget) says nothing."""
+    handle = launcher.start(grace=1.0, scale=1.0, report=None, session={}, defer=30.0)
+    try:
+        pid = handle.pid
+        told = lifecycle._hurry_for_early_deadlines(handle)
+        told(time.monotonic() + 30.0)
+        assert not handle.hurried
+        told(time.monotonic() + 0.05)
+        assert handle.hurried
+        give_up = time.monotonic() + 30
+        while not _loaded_psutil(pid) and time.monotonic() < give_up:
+            time.sleep(0.01)
+        assert _loaded_psutil(pid), "not loaded long before its 30 s"
+    finally:
+        assert handle.stop({}, wait=True) == 0
+
+
+def _loaded_psutil(pid: int) -> bool:
+    """Whether process ``pid`` has loaded psutil: a watchdog that loaded its modules."""
+    with open(f"/proc/{pid}/maps", encoding="utf-8") as f:
+        return "_psutil_linux" in f.read()
 
 
 @pytest.mark.parametrize("subreaper", [False, True], ids=["orphan", "adopted"])

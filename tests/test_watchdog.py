@@ -878,6 +878,26 @@ def test_a_deferred_watchdog_loads_once_the_session_has_run_that_long() -> None:
         assert watchdog.wait(timeout=30) == 0
 
 
+HURRY = b'{"op": "hurry"}\n'
+
+
+def test_a_hurried_watchdog_loads_at_once_and_still_hears_the_stop(tmp_path: Path) -> None:
+    """pytest says hurry (a deadline of its own would come before the deferral ends):
+    the watchdog loads at once, counts the word as no bad message, and the stop after
+    it still lets go of the output."""
+    report = tmp_path / "report.json"
+    with deferred_watchdog(60, "--report", str(report)) as (watchdog, _):
+        assert watchdog.stdin is not None and watchdog.stdout is not None
+        watchdog.stdin.write(HURRY)
+        watchdog.stdin.flush()
+        assert watchdog.stdout.readline().startswith(b"ready ")  # long before 60 s
+        watchdog.stdin.write(STOP_NOT_WAITED)
+        watchdog.stdin.close()
+        assert watchdog.stdout.read() == b""  # let go of
+        assert watchdog.wait(timeout=30) == 0
+    assert json.loads(report.read_text())["session"]["dropped_messages"] == 0
+
+
 def test_pytests_death_ends_a_watchdogs_deferral_at_once(tmp_path: Path) -> None:
     """End-of-file on the control pipe without a stop: pytest died, and the watchdog
     loads at once to end the session, with its report, however long its deferral."""

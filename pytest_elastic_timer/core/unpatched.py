@@ -49,6 +49,7 @@ listdir = os.listdir
 open_fd = os.open
 pread = os.pread
 close = os.close
+write = os.write
 
 # The random part of the names of a session's files (tables, dumps, traces, rings):
 # not uuid.uuid4, which tests replace to get fixed ids (and whose module, with the

@@ -39,6 +39,10 @@ SOCKET_NAME = "watchdog.sock"  # in the session directory, as the watchdog names
 # where they took a core beside it (or, with one core, half of pytest's). The
 # processes of a session wait for the watchdog's answer meanwhile, as while it starts.
 DEFER_UNWAITED = 0.3
+# A deadline of pytest's own sooner than this after the start hurries such a watchdog:
+# it would have loaded too late for it (loading takes some 0.1 s of a core).
+HURRY_WITHIN = DEFER_UNWAITED + 0.2
+HURRY_COMMAND = b'{"op": "hurry"}\n'
 HOST_WATCHDOG_ERRORS = "watchdog.err"  # a host watchdog's stderr, in its directory
 MAX_SOCKET_PATH = 107  # bytes of a socket's path: sun_path holds 108, with its NUL
 LISTEN_BACKLOG = 128
@@ -111,11 +115,20 @@ class WatchdogHandle:
         # Stopped without waiting, and nothing of it kept (see stop): nothing more to
         # learn of it here, and its pid may be another process's by now.
         self.let_go = False
+        self.hurried = False  # told to load now (see hurry)
 
     @property
     def pid(self) -> int:
         self._hear_shell()
         return self._pid
+
+    def hurry(self) -> None:
+        """Have a watchdog that loads late (``defer``) load now, once: a deadline of
+        this process comes before it would have. Nothing once it was stopped."""
+        if self.control >= 0 and not self.hurried:
+            self.hurried = True
+            with contextlib.suppress(OSError):  # gone: the clients learn it themselves
+                unpatched.write(self.control, HURRY_COMMAND)
 
     @property
     def pidfd(self) -> int:

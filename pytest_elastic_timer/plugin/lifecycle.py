@@ -61,6 +61,7 @@ def start_watchdog(config: pytest.Config, state: SessionState) -> None:
     connections."""
     settings = state.settings
     state.children_before = leaks.pids_of(leaks.snapshot())
+    defer = 0.0 if waits_for_watchdog(config, state) else launcher.DEFER_UNWAITED
     try:
         handle = launcher.start(
             grace=settings.grace,
@@ -70,7 +71,7 @@ def start_watchdog(config: pytest.Config, state: SessionState) -> None:
             dump_signal=startup.session_dump_signal(),
             junit_xml=_junit_path(config),
             trace=bool(settings.trace),
-            defer=0.0 if waits_for_watchdog(config, state) else launcher.DEFER_UNWAITED,
+            defer=defer,
         )
     except (launcher.WatchdogError, OSError) as exc:  # spawning it failed
         warn_without_watchdog(config, f"{exc}; scopes are enforced in-process only")
@@ -95,7 +96,22 @@ def start_watchdog(config: pytest.Config, state: SessionState) -> None:
     )
     state.put_back_scopes = scopes.set_aside()
     # Connect now; the answer to our hello is not waited for (see ProcessState).
-    scopes.process_state().welcome_in_background = True
+    process = scopes.process_state()
+    process.welcome_in_background = True
+    if defer:
+        process.before_welcome = _hurry_for_early_deadlines(handle)
+
+
+def _hurry_for_early_deadlines(handle: launcher.WatchdogHandle) -> Callable[[float], None]:
+    """What this process does with a deadline it enters before its watchdog, which
+    loads late, has answered: hurry it if it would load too late for that deadline."""
+    hurry_before = unpatched.monotonic() + launcher.HURRY_WITHIN
+
+    def deadline_before_welcome(deadline: float) -> None:
+        if deadline < hurry_before:
+            handle.hurry()
+
+    return deadline_before_welcome
 
 
 def _junit_path(config: pytest.Config) -> str | None:

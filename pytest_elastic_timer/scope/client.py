@@ -209,6 +209,9 @@ class ProcessState:
         # The process that started the watchdog does not wait for its answer: until it
         # comes, a thread stands by to enforce scopes in-process should it never come.
         self.welcome_in_background = False
+        # Told of each deadline this process enters before the watchdog's answer (the
+        # plugin: a watchdog that loads late is hurried for one it would be late for).
+        self.before_welcome: Callable[[float], None] | None = None
         self.standby: threading.Thread | None = None
         self.standby_socket: socket.socket | None = None  # what the thread waits on
         # Wakes the standby thread: a deadline earlier than it knew, or the answer read.
@@ -786,6 +789,8 @@ class ProcessState:
             # One that never comes up, or refuses us, leaves the sentinel.
             if self.welcome_in_background:
                 self.welcome(wait=False)
+                if not self.welcomed and self.before_welcome is not None:
+                    self.before_welcome(deadline)
                 self._stand_by()
                 self._wake_standby()  # a deadline it may not know yet
             else:

@@ -5,12 +5,13 @@ pytest's control pipe is read (:mod:`.control`) before the watchdog's modules lo
 held up by this process, which shares its output.
 
 With ``--defer SECONDS`` (a session whose end pytest does not wait for), those modules
-load only once the session has run that long, or once it has ended and pytest has
-exited (waited for as long again at most): the one-test session of a developer's loop
-then ends before its watchdog loads anything, and pytest never shares a core with that
-loading. Until then the processes of the session wait for the watchdog's answer, as
-they do while it starts, and pytest's own first deadline is watched by its standby
-thread (see docs/design.md, "A watchdog that loads late").
+load only once the session has run that long, once pytest says ``hurry`` (a deadline of
+its own comes sooner), or once the session has ended and pytest has exited (waited for
+as long again at most): the one-test session of a developer's loop then ends before
+its watchdog loads anything, and pytest never shares a core with that loading. Until
+then the processes of the session wait for the watchdog's answer, as they do while it
+starts, and pytest's own deadlines are watched by its standby thread (see
+docs/design.md, "A watchdog that loads late").
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ if __name__ == "__main__":
     close_descriptors_above_the_limit()
     relay = StdinRelay()
     defer = option(sys.argv, "--defer")
-    if defer and relay.wait_for_end(defer) and relay.left_without_waiting():
+    if defer and relay.wait_for_word(defer) and relay.left_without_waiting():
         # What is left (reading what came before the stop, ending strays, removing the
         # session's directory) waits for pytest's own end, not to take a core from it.
         wait_for_exit(int(option(sys.argv, "--root-pid")), defer)

@@ -2,10 +2,12 @@
 
 pytest writes one command, a JSON line ``{"op": "stop", "session": {...}, "waited":
 bool}``, when its session ends, then closes the pipe. End-of-file without a stop means
-that pytest died. The watchdog shares pytest's output (its stderr, where it speaks if
-pytest died), and a shell or CI step that reads that output through a pipe sees its end
-only once every process holding it has let go; so on a stop that pytest does not wait
-for, the watchdog lets go of the output at once (:func:`leave_output`).
+that pytest died. Before it, a watchdog that loads late (``--defer``) may be told
+``{"op": "hurry"}``, once: a deadline of pytest's own comes before it would have
+loaded. The watchdog shares pytest's output (its stderr, where it speaks if pytest
+died), and a shell or CI step that reads that output through a pipe sees its end only
+once every process holding it has let go; so on a stop that pytest does not wait for,
+the watchdog lets go of the output at once (:func:`leave_output`).
 
 A short session says stop before its watchdog has loaded its modules: the
 :class:`StdinRelay` reads the pipe from the start of the watchdog's entry module, before
@@ -25,6 +27,7 @@ import threading
 from typing import Any
 
 STOP = "stop"
+HURRY = "hurry"
 RELAY_THREAD = "elastic-timer-control"
 # What else ends a session, with its report: held from the watchdog's first line (its
 # entry module) until its loop runs, so that one that comes while the watchdog loads
@@ -32,16 +35,14 @@ RELAY_THREAD = "elastic-timer-control"
 TERMINATING = (signal.SIGTERM, signal.SIGHUP)
 
 
-def stop_command(line: bytes) -> dict[str, Any] | None:
-    """The stop command that ``line`` (without its newline) is, or None if it is not
-    one (another command, or not JSON: dropped by the caller)."""
+def command_of(line: bytes) -> dict[str, Any]:
+    """The command that ``line`` (without its newline) is: its JSON object, or an empty
+    one if it is none (not JSON: dropped by the caller)."""
     try:
         command = json.loads(line)
     except (ValueError, RecursionError):
-        return None
-    if isinstance(command, dict) and command.get("op") == STOP:
-        return command
-    return None
+        return {}
+    return command if isinstance(command, dict) else {}
 
 
 def leave_output() -> None:
@@ -84,10 +85,10 @@ class StdinRelay:
         """The read end of the relay's pipe."""
         return self._read_end
 
-    def wait_for_end(self, timeout: float) -> bool:
-        """Wait at most ``timeout`` seconds for the session's end: pytest's command
-        (passed on to the pipe, the output let go of if pytest does not wait), or the
-        end of stdin. Whether it came."""
+    def wait_for_word(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds for a word from pytest: its stop (passed on
+        to the pipe, the output let go of if pytest does not wait), a ``hurry``, or the
+        end of stdin. Whether one came."""
         return self._heard.wait(timeout)
 
     def left_without_waiting(self) -> bool:
@@ -96,26 +97,29 @@ class StdinRelay:
         return self._stop is not None and self._stop.get("waited") is False
 
     def _run(self) -> None:
-        first_line = b""
-        looking = True  # pytest says one command; only the first line is looked at
+        unread = b""
+        # pytest says one command, after at most a hurry: the first line that is no
+        # hurry is looked at, and nothing after it.
+        looking = True
         try:
             while data := os.read(self._fd, 65536):
-                if looking:
-                    first_line += data
-                    if b"\n" in first_line:
+                unread += data if looking else b""
+                while looking and b"\n" in unread:
+                    line, unread = unread.split(b"\n", 1)
+                    command = command_of(line)
+                    if command.get("op") != HURRY:
                         looking = False
-                        command = self._stop = stop_command(first_line.split(b"\n", 1)[0])
-                        if command is not None and command.get("waited") is False:
-                            # Out of descriptors, say: the output stays held, but the
-                            # stop must still reach the loop (end-of-file without it
-                            # would read as pytest's death).
-                            with contextlib.suppress(OSError):
-                                leave_output()
+                        self._stop = command if command.get("op") == STOP else None
+                    if self._stop is not None and self._stop.get("waited") is False:
+                        # Out of descriptors, say: the output stays held, but the stop
+                        # must still reach the loop (end-of-file without it would read
+                        # as pytest's death).
+                        with contextlib.suppress(OSError):
+                            leave_output()
+                    self._heard.set()
                 view = memoryview(data)
                 while view:  # a write into a full pipe may be cut short by a signal
                     view = view[os.write(self._write_end, view) :]
-                if not looking:
-                    self._heard.set()
         except OSError:
             pass  # stdin went bad: its end-of-file, as far as the loop can tell
         finally:

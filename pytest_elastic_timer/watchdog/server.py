@@ -351,8 +351,10 @@ class Watchdog:
         self._control_buffer += data
         while b"\n" in self._control_buffer:
             line, self._control_buffer = self._control_buffer.split(b"\n", 1)
-            command = control.stop_command(line)
-            if command is None:
+            command = control.command_of(line)
+            if command.get("op") == control.HURRY:
+                continue  # the relay heard it: this process is up
+            if command.get("op") != control.STOP:
                 self.drop()
                 continue
             self.session.update(command.get("session") or {})
