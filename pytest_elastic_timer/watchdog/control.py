@@ -103,14 +103,15 @@ class StdinRelay:
         looking = True
         try:
             while data := os.read(self._fd, 65536):
-                unread += data if looking else b""
+                if looking:
+                    unread += data
                 while looking and b"\n" in unread:
                     line, unread = unread.split(b"\n", 1)
                     command = command_of(line)
                     if command.get("op") != HURRY:
                         looking = False
                         self._stop = command if command.get("op") == STOP else None
-                    if self._stop is not None and self._stop.get("waited") is False:
+                    if self.left_without_waiting():
                         # Out of descriptors, say: the output stays held, but the stop
                         # must still reach the loop (end-of-file without it would read
                         # as pytest's death).
