@@ -545,8 +545,9 @@ def test_a_shape_mismatch_that_kills_a_rank_shows_what_each_rank_was_in(
     assert lines[0].startswith(f"rank 0, pid {pids[0]} (died): in all_reduce #2 (group default)")
     assert f"at {site}, float32[4]; last completed all_reduce #1" in lines[0], text
     # Rank 1 may have finished its all_reduce #2 (it sent, and got its 4 floats) before
-    # the harness ended it: either way it is named, dead, with that op.
-    assert lines[1].startswith(f"rank 1, pid {pids[1]} (died): "), text
+    # the harness ended it, and on a busy machine even returned and exited by itself
+    # first: either way it is named, gone, with that op.
+    assert re.match(rf"rank 1, pid {pids[1]} \((died|exited)\): ", lines[1]), text
     assert "all_reduce #2" in lines[1], text
     assert "shape mismatch: rank 0 [[4]], rank 1 [[1000]]" in lines[2], text
 
