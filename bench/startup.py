@@ -44,7 +44,6 @@ session: a watchdog, were one started, would run in a process of its own.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import resource
 import shutil
@@ -125,11 +124,9 @@ def _time(argv: list[str], env: dict[str, str], cwd: str) -> float:
 def _adopt_orphans() -> None:
     """Make this process a subreaper: the watchdog, which its shell leaves orphaned,
     becomes this process's child, so that :func:`_reap_children` can wait for it."""
-    import ctypes
+    from pytest_elastic_timer.plugin import leaks
 
-    PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    leaks.become_subreaper()
 
 
 def _reap_children() -> None:

@@ -143,6 +143,13 @@ def scope_line(scope: str, budget: str, action: str = "interrupted") -> re.Patte
     )
 
 
+def loaded_psutil(pid: int) -> bool:
+    """Whether process ``pid`` has loaded psutil (its C extension is mapped): a watchdog
+    that has loaded its modules."""
+    with open(f"/proc/{pid}/maps", encoding="utf-8") as f:
+        return "_psutil_linux" in f.read()
+
+
 def wait_gone(pid: int, timeout: float) -> bool:
     """Whether process ``pid`` ends (or is a zombie) within ``timeout`` seconds."""
     give_up = time.monotonic() + timeout

@@ -24,6 +24,7 @@ from helpers import (
     REPORT_NAME,
     SLEEPING_RANK,
     Session,
+    loaded_psutil,
     reap,
     run,
     scope_line,
@@ -2085,17 +2086,11 @@ def test_a_deadline_the_late_watchdog_would_miss_hurries_it() -> None:
         told(time.monotonic() + 0.05)
         assert handle.hurried
         give_up = time.monotonic() + 30
-        while not _loaded_psutil(pid) and time.monotonic() < give_up:
+        while not loaded_psutil(pid) and time.monotonic() < give_up:
             time.sleep(0.01)
-        assert _loaded_psutil(pid), "not loaded long before its 30 s"
+        assert loaded_psutil(pid), "not loaded long before its 30 s"
     finally:
         assert handle.stop({}, wait=True) == 0
-
-
-def _loaded_psutil(pid: int) -> bool:
-    """Whether process ``pid`` has loaded psutil: a watchdog that loaded its modules."""
-    with open(f"/proc/{pid}/maps", encoding="utf-8") as f:
-        return "_psutil_linux" in f.read()
 
 
 @pytest.mark.parametrize("subreaper", [False, True], ids=["orphan", "adopted"])

@@ -34,7 +34,7 @@ from pathlib import Path
 import jsonschema
 import psutil
 import pytest
-from helpers import ENV_DUMP_SIGNAL, RawClient, pump, wait_gone, write_slot
+from helpers import ENV_DUMP_SIGNAL, RawClient, loaded_psutil, pump, wait_gone, write_slot
 
 from pytest_elastic_timer.ci.reports import report_schema
 from pytest_elastic_timer.core import records, startup, wire
@@ -815,13 +815,6 @@ def test_a_stop_not_waited_for_lets_go_of_the_output_while_the_modules_still_loa
                 stream.close()
 
 
-def _loaded_psutil(pid: int) -> bool:
-    """Whether process ``pid`` has loaded psutil (its C extension is mapped): the
-    watchdog's modules are loaded."""
-    with open(f"/proc/{pid}/maps", encoding="utf-8") as f:
-        return "_psutil_linux" in f.read()
-
-
 @contextlib.contextmanager
 def deferred_watchdog(defer: float, *extra: str) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
     """A watchdog process started as the launcher starts one for a session that does
@@ -857,11 +850,11 @@ def test_a_deferred_watchdog_stopped_early_loads_nothing_until_pytest_has_exited
     with deferred_watchdog(30) as (watchdog, root_pid):
         assert watchdog.stdin is not None
         time.sleep(0.2)
-        assert not _loaded_psutil(watchdog.pid)
+        assert not loaded_psutil(watchdog.pid)
         watchdog.stdin.write(STOP_NOT_WAITED)
         watchdog.stdin.close()
         time.sleep(0.5)  # the stop heard, the root still running
-        assert watchdog.poll() is None and not _loaded_psutil(watchdog.pid)
+        assert watchdog.poll() is None and not loaded_psutil(watchdog.pid)
         os.kill(root_pid, signal.SIGKILL)
         assert watchdog.wait(timeout=30) == 0
 
@@ -872,7 +865,7 @@ def test_a_deferred_watchdog_loads_once_the_session_has_run_that_long() -> None:
         started = time.monotonic()
         assert watchdog.stdout.readline().startswith(b"ready ")  # said once it is up
         assert time.monotonic() - started >= 0.3
-        assert _loaded_psutil(watchdog.pid)
+        assert loaded_psutil(watchdog.pid)
         watchdog.stdin.write(STOP_NOT_WAITED)
         watchdog.stdin.close()
         assert watchdog.wait(timeout=30) == 0
