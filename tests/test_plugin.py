@@ -2033,22 +2033,12 @@ def test_a_piped_session_ends_while_its_watchdog_still_works(pytester: pytest.Py
 
 # Writes the command line of the session's watchdog to watchdog-argv.txt.
 WATCHDOG_ARGV = """
-import os
-
-
-def test_watchdog_argv():
-    directory = os.path.dirname(os.environ["PYTEST_ELASTIC_TIMER"]).encode()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read().split(b"\\0")
-        except OSError:
-            continue
-        if b"pytest_elastic_timer.watchdog" in argv and directory in argv:
-            with open("watchdog-argv.txt", "wb") as out:
-                out.write(b" ".join(argv))
-            return
-    raise AssertionError("no watchdog")
+def test_watchdog_argv(elastic_timer_server):
+    with open(f"/proc/{elastic_timer_server.pid}/cmdline", "rb") as f:
+        argv = f.read().split(b"\\0")
+    assert b"pytest_elastic_timer.watchdog" in argv
+    with open("watchdog-argv.txt", "wb") as out:
+        out.write(b" ".join(argv))
 """
 
 
