@@ -120,7 +120,7 @@ def rank_main(rank, port):
     dist.all_reduce(torch.ones(1), group=sub)  # subgroup #1
     work = dist.all_reduce(t, async_op=True)  # async all_reduce #6
     work.wait()
-    for _ in range(2):  # batch_isend_irecv #1 and #2
+    for _ in range(2):  # two batches of a send and a receive
         pair = [
             dist.P2POp(dist.isend, torch.ones(2), 1 - rank),
             dist.P2POp(dist.irecv, torch.zeros(2), 1 - rank),
@@ -168,9 +168,24 @@ def test_ranks_record_every_op_through_the_session_start_up_hook(tmp_path: Path)
             ("all_gather_object", "default", 5, col.COMPLETED),  # its inner ops are not counted
             ("all_reduce", sub, 1, col.COMPLETED),
             ("all_reduce", "default", 6, col.COMPLETED),
-            # Numbered per group, as the ranks call them: a hang in one is aligned.
-            ("batch_isend_irecv", "default", 1, col.COMPLETED),
-            ("batch_isend_irecv", "default", 2, col.COMPLETED),
+            # A batch's ops, numbered per direction and peer as the isend and irecv
+            # they are: rank 0's first send to rank 1 meets rank 1's first receive
+            # from rank 0, whatever came before it unbatched.
+            *(
+                [
+                    ("isend", "default", 1, col.COMPLETED),
+                    ("irecv", "default", 2, col.COMPLETED),
+                    ("isend", "default", 2, col.COMPLETED),
+                    ("irecv", "default", 3, col.COMPLETED),
+                ]
+                if rank == 0
+                else [
+                    ("isend", "default", 2, col.COMPLETED),
+                    ("irecv", "default", 1, col.COMPLETED),
+                    ("isend", "default", 3, col.COMPLETED),
+                    ("irecv", "default", 2, col.COMPLETED),
+                ]
+            ),
         ]
         assert ops == expected, ops
         entries = {(e.op, e.seq): e for e in ring.entries if e.group == "default"}
@@ -181,6 +196,11 @@ def test_ranks_record_every_op_through_the_session_start_up_hook(tmp_path: Path)
         assert entries["init_process_group", 0].site == f"{program}:{init_line}"
         peer = next(e for e in ring.entries if e.kind in (col.SEND, col.RECV))
         assert peer.peer == 1 - rank
+        batched = ring.entries[-4:]
+        batch_line = lines_of(tmp_path, "dist.batch_isend_irecv(pair)")
+        assert {(e.peer, e.site, e.tensors) for e in batched} == {
+            (1 - rank, f"{program}:{batch_line}", "float32[2]")
+        }, batched
         assert all(e.end >= e.start > 0 for e in ring.entries)
 
 

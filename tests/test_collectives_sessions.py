@@ -124,6 +124,25 @@ def crashed_beside_stuck(rank, store):
     dist.all_reduce(torch.ones(4))  # all_reduce #2: rank 0 waits here (gloo: for rank 2)
 
 
+def pipeline(rank, store):
+    join(rank, store, "test_pipeline", world_size=3)
+    activation, grad = torch.ones(4), torch.zeros(4)
+    if rank == 0:  # stage 0: its activation to stage 1, then done
+        dist.batch_isend_irecv([dist.P2POp(dist.isend, activation, 1)])[0].wait()
+    elif rank == 1:  # stage 1: from stage 0, then to stage 2 and its answer back
+        dist.batch_isend_irecv([dist.P2POp(dist.irecv, activation, 0)])[0].wait()
+        exchange = [
+            dist.P2POp(dist.isend, activation, 2),
+            dist.P2POp(dist.irecv, grad, 2),
+        ]
+        note("test_pipeline", rank, "ready")
+        for request in dist.batch_isend_irecv(exchange):  # stage 1 waits here
+            request.wait()
+    else:
+        note("test_pipeline", rank, "ready")
+        time.sleep(3600)  # stage 2 never joins its exchange
+
+
 def desync(rank, store):
     join(rank, store, "test_desync")
     dist.broadcast(torch.ones(4), 0)  # broadcast #1
@@ -190,6 +209,20 @@ def start(target, *args, nprocs=2):
     )
 
 
+def wait_notes(test, ranks_):
+    """Until the ranks ``ranks_`` (a string of digits) stand where the test wants them."""
+    paths = [os.path.join(HERE, "pids", f"{test}-{r}.ready") for r in ranks_]
+    while not all(os.path.exists(p) for p in paths):
+        time.sleep(0.05)
+
+
+def expire_while(waiting):
+    """A 2 s scope around a wait for the ranks, which never ends by itself."""
+    with et.expires(after=2, scope="collective"):
+        while waiting():
+            time.sleep(0.05)
+
+
 def wait_ready(ctx, test):
     """Until both ranks stand where the test wants them (torch starts slowly)."""
     paths = [os.path.join(HERE, "pids", f"{test}-{r}.ready") for r in (0, 1)]
@@ -248,13 +281,21 @@ def test_crashed_beside_stuck():
     zero, _, two = ctx.processes
     try:
         # (no ctx.join: it raises as soon as rank 1 is gone)
-        ready = [os.path.join(HERE, "pids", f"test_crashed_beside_stuck-{r}.ready") for r in "012"]
-        while not all(os.path.exists(p) for p in ready):
-            time.sleep(0.05)
+        wait_notes("test_crashed_beside_stuck", "012")
         time.sleep(0.5)  # rank 1 is gone and rank 0 in all_reduce #2 by now
-        with et.expires(after=2, scope="collective"):
-            while zero.is_alive() or two.is_alive():
-                time.sleep(0.05)
+        expire_while(lambda: zero.is_alive() or two.is_alive())
+    finally:
+        end(ctx)
+
+
+@pytest.mark.expires(120)
+def test_pipeline():
+    ctx = start(ranks.pipeline, nprocs=3)
+    _, one, _ = ctx.processes
+    try:
+        wait_notes("test_pipeline", "12")  # stage 0 may be gone (done) by then
+        time.sleep(0.5)  # stage 1 is in its exchange by now
+        expire_while(one.is_alive)
     finally:
         end(ctx)
 
@@ -360,6 +401,11 @@ def rank_pids(directory: Path, test: str) -> dict[int, int]:
     return found
 
 
+def says(session: Session, pattern: str) -> bool:
+    """Whether a line of the session's terminal output matches ``pattern``."""
+    return any(re.search(pattern, line) for line in session.stdout.splitlines())
+
+
 def line_of(directory: Path, marker: str) -> int:
     text = (directory / "ranks.py").read_text(encoding="utf-8").splitlines()
     return next(i for i, line in enumerate(text, 1) if marker in line)
@@ -369,7 +415,7 @@ def line_of(directory: Path, marker: str) -> int:
 def test_the_sessions_outcomes(spawned: tuple[Path, Session]) -> None:
     _, session = spawned
     assert "INTERNALERROR" not in session.text
-    session.result.assert_outcomes(failed=7, passed=2)
+    session.result.assert_outcomes(failed=8, passed=2)
 
 
 @pytest.mark.expires(TORCH_BUDGET)
@@ -407,8 +453,7 @@ def test_a_rank_that_never_reaches_all_reduce_is_named_missing(
         rf"ranks\.py:{line_of(directory, '# all_reduce #3')}; rank 1 missing, last completed "
         rf"broadcast #2, now in missing at ranks\.py:{sleep}"
     )
-    found = [s for s in session.stdout.splitlines() if re.search(pattern, s)]
-    assert len(found) >= 1, session.stdout
+    assert says(session, pattern), session.stdout
     block = failure_block(session, "test_missing")
     stacks = sections(block, "elastic-timer: stack of rank 1, pid")
     assert len(stacks) == 1 and f"line {sleep} in missing" in stacks[0], block
@@ -510,8 +555,34 @@ def test_a_missing_rank_that_crashed_is_told_apart_from_one_that_is_stuck(
         rf"rank 2 missing, last completed all_reduce #1, now in crashed_beside_stuck at "
         rf"ranks\.py:{sleep}$"
     )
-    found = [s for s in session.stdout.splitlines() if re.search(pattern, s)]
-    assert len(found) >= 1, session.stdout
+    assert says(session, pattern), session.stdout
+
+
+@pytest.mark.expires(TORCH_BUDGET)
+def test_a_pipeline_stage_is_missing_from_its_neighbours_exchange_alone(
+    spawned: tuple[Path, Session],
+) -> None:
+    """Three stages exchanging through batch_isend_irecv, as many times as a stage has
+    neighbours: stage 1 waits on stage 2, which never joins. Stage 2 is missing, and
+    stage 0 (done after its one batch) is not."""
+    directory, session = spawned
+    collective = record_of(session, "test_pipeline")["collective"]
+    assert {k: collective[k] for k in ("op", "seq", "peer", "waiting", "missing")} == {
+        "op": "irecv",
+        "seq": 1,
+        "peer": 2,
+        "waiting": [1],
+        "missing": [2],
+    }
+    site = line_of(directory, "# stage 1 waits here")
+    assert collective["ranks"]["1"]["site"] == f"{directory / 'ranks.py'}:{site}"
+    sleep = line_of(directory, "stage 2 never joins its exchange")
+    pattern = (
+        r"irecv #1 from rank 2 \(group default\): rank 1 waiting \d+\.\ds at "
+        rf"ranks\.py:{site}; rank 2 missing, last completed init_process_group #0, "
+        rf"now in pipeline at ranks\.py:{sleep}$"
+    )
+    assert says(session, pattern), session.stdout
 
 
 @pytest.mark.expires(TORCH_BUDGET)
@@ -609,7 +680,7 @@ def test_collectives_are_slices_on_each_ranks_track(spawned: tuple[Path, Session
 def test_no_rank_outlives_its_test(spawned: tuple[Path, Session]) -> None:
     directory, _ = spawned
     pids = sorted(int(p.read_text()) for p in (directory / "pids").glob("*.pid"))
-    assert len(pids) == 19, pids  # eight tests of two ranks, one of three
+    assert len(pids) == 22, pids  # eight tests of two ranks, two of three
     assert all(wait_gone(pid, 5.0) for pid in pids)
 
 

@@ -83,8 +83,8 @@ COLLECTIVE = 0
 SEND = 1
 RECV = 2
 INIT = 3  # init_process_group: the rendezvous, seq 0 of the default group
-OTHER = 4  # batch_isend_irecv: numbered per group, aligned by that number
-KIND_NAMES = {COLLECTIVE: "collective", SEND: "send", RECV: "recv", INIT: "init", OTHER: "other"}
+# (A batch_isend_irecv is recorded as the isend and irecv ops it is made of.)
+KIND_NAMES = {COLLECTIVE: "collective", SEND: "send", RECV: "recv", INIT: "init"}
 
 # States of an entry.
 STARTED = 1
@@ -315,12 +315,12 @@ class Ring:
 
     def blocked(self) -> Entry | None:
         """The op this rank is blocked in: its oldest op that has not ended, but for a
-        send or receive (or a batch of them) with a later op open behind it (an
-        ``isend`` never waited for stays open while its rank goes on to other ops;
-        collectives issued with ``async_op=True`` are waited for oldest first)."""
+        send or receive with a later op open behind it (an ``isend`` never waited for
+        stays open while its rank goes on to other ops; collectives issued with
+        ``async_op=True`` are waited for oldest first)."""
         started = [e for e in self.current() if e.started]
         for entry in started[:-1]:
-            if entry.kind not in (SEND, RECV, OTHER):
+            if entry.kind not in (SEND, RECV):
                 return entry
         return started[-1] if started else None
 
@@ -552,7 +552,7 @@ def align(
                 None,
             )
     else:
-        kinds = (COLLECTIVE, INIT) if anchor.kind != OTHER else (OTHER,)
+        kinds = (COLLECTIVE, INIT)
         members = _members(by_rank, group)
         if anchor_rank not in members:
             members = sorted({*members, anchor_rank})

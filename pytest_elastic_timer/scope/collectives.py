@@ -81,10 +81,11 @@ _OPS: dict[str, tuple[int, tuple[str, ...], str, str]] = {
     "recv": (ring_format.RECV, ("tensor",), "src", "group_src"),
     "irecv": (ring_format.RECV, ("tensor",), "src", "group_src"),
     "recv_object_list": (ring_format.RECV, (), "src", "group_src"),
-    "batch_isend_irecv": (ring_format.OTHER, (), "", ""),
 }
 # Ops that return their work whatever their arguments say.
-_ALWAYS_ASYNC = frozenset({"isend", "irecv", "batch_isend_irecv"})
+_ALWAYS_ASYNC = frozenset({"isend", "irecv"})
+# The ops a batch_isend_irecv is made of, by their function's name.
+_BATCHED = {"isend": ring_format.SEND, "irecv": ring_format.RECV}
 
 
 def session_directory() -> str:
@@ -254,7 +255,7 @@ class Recorder:
         group_name = self.group_name(group)
         if kind == ring_format.COLLECTIVE:
             seq = self.seqs[group_name] = self.seqs.get(group_name, 0) + 1
-        else:  # point-to-point ops per peer, the others (batch_isend_irecv) per group
+        else:  # point-to-point ops per direction and peer
             key = (group_name, kind, peer)
             seq = self.p2p[key] = self.p2p.get(key, 0) + 1
         serial = ring.begin(
@@ -311,12 +312,14 @@ def _param(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str)
     return kwargs.get(name)
 
 
-def _completion(ring: ring_format.RingWriter, serial: int, works: Any) -> None:
-    """Mark ``serial`` completed once every work of an async op has completed."""
+def _completion(ring: ring_format.RingWriter, serials: tuple[int, ...], works: Any) -> None:
+    """Mark the entries ``serials`` completed once every work of their async op (or
+    batch) has completed."""
     items = works if isinstance(works, list) else [works]
     items = [w for w in items if w is not None]
     if not items:
-        ring.complete(serial)
+        for serial in serials:
+            ring.complete(serial)
         return
     left = [len(items)]
     lock = threading.Lock()
@@ -326,7 +329,8 @@ def _completion(ring: ring_format.RingWriter, serial: int, works: Any) -> None:
             left[0] -= 1
             last = left[0] == 0
         if last:
-            ring.complete(serial)
+            for serial in serials:
+                ring.complete(serial)
 
     for work in items:
         try:
@@ -425,7 +429,7 @@ def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             local.depth -= 1
         if always_async or (async_at >= 0 and _param(args, kwargs, async_at, "async_op")):
-            _completion(ring, serial, result)
+            _completion(ring, (serial,), result)
         else:
             ring.complete(serial)
         return result
@@ -435,6 +439,58 @@ def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     op.__code__ = code.replace(co_name=name)  # type: ignore[attr-defined]
     setattr(op, _MARK, True)
     return op
+
+
+def _wrap_batch(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``batch_isend_irecv`` with each op of the batch recorded as the ``isend`` or
+    ``irecv`` it is, numbered per direction and peer as those are: the k-th send from
+    rank 0 to rank 1 meets rank 1's k-th receive from rank 0, batched or not, as the
+    transport matches them. (Numbered as one op of the group, batches would line up
+    only where every rank makes as many of them, which a pipeline's stages do not.)"""
+
+    @functools.wraps(fn)
+    def batch_isend_irecv(*args: Any, **kwargs: Any) -> Any:
+        recorder = _recorder
+        if recorder is None or recorder.local.depth:
+            return fn(*args, **kwargs)
+        begun: list[tuple[ring_format.RingWriter, int]] = []
+        try:
+            ops = [
+                (_BATCHED[p2p.op.__name__], p2p.group, int(p2p.peer), p2p.tensor)
+                for p2p in _param(args, kwargs, 0, "p2p_op_list")
+            ]
+            frame = sys._getframe(1)
+            for kind, group, peer, tensor in ops:
+                name = b"isend" if kind == ring_format.SEND else b"irecv"
+                entry = recorder.begin(name, kind, group, peer, [tensor], frame)
+                if entry is not None:
+                    begun.append(entry)
+        except Exception:  # not a valid batch: torch says why, unrecorded
+            for ring, serial in begun:
+                ring.complete(serial, ring_format.FAILED)
+            begun = []
+        if not begun:
+            return fn(*args, **kwargs)
+        ring = begun[0][0]
+        serials = [serial for _, serial in begun]
+        recorder.local.depth += 1  # the isend and irecv calls the batch makes
+        try:
+            works = fn(*args, **kwargs)
+        except BaseException:
+            for serial in serials:
+                ring.complete(serial, ring_format.FAILED)
+            raise
+        finally:
+            recorder.local.depth -= 1
+        if isinstance(works, list) and len(works) == len(serials):
+            for serial, work in zip(serials, works, strict=True):
+                _completion(ring, (serial,), work)
+        else:  # coalesced into fewer works: the ops complete together
+            _completion(ring, tuple(serials), works)
+        return works
+
+    setattr(batch_isend_irecv, _MARK, True)
+    return batch_isend_irecv
 
 
 def _wrap_init(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -553,6 +609,7 @@ def install() -> bool:
     wrappers: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
         name: functools.partial(wrap, name) for name in _OPS
     }
+    wrappers["batch_isend_irecv"] = _wrap_batch
     wrappers["init_process_group"] = _wrap_init
     wrappers["destroy_process_group"] = _wrap_destroy
     for name, make in wrappers.items():
