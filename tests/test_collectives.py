@@ -507,6 +507,23 @@ def test_the_world_of_a_rank_comes_from_the_rings_of_its_test(ranks: Any, tmp_pa
     assert [(r.rank, r.path) for r in found] == [(0, zero.writer.path), (1, one.writer.path)]
 
 
+def test_a_test_that_made_two_worlds_shows_the_one_that_failed(ranks: Any, tmp_path: Path) -> None:
+    """Four ranks that passed, then two that met on the same port, where rank 1 died:
+    the failure lists those two. It listed ranks 2 and 3 of the first world beside
+    them, and a rank of the second world took its larger world's stale ranks along."""
+    first = ranks(4)
+    for rank in first:
+        rank.op("all_reduce")
+        rank.writer.mark_exited()
+    zero, one = ranks(2)
+    zero.op("all_reduce", done=False)
+    one.writer.words[col.H_PID] = dead_pid()
+    found = col.rings_of_test(str(tmp_path), "test_x.py::test_y")
+    assert [r.path for r in found] == [zero.writer.path, one.writer.path]
+    met = col.world_of([zero.ring()], rings([*first, one]))
+    assert [r.path for r in met] == [zero.writer.path, one.writer.path]
+
+
 # -- alignment: properties -----------------------------------------------------------
 OPS = st.sampled_from(["all_reduce", "broadcast", "all_gather", "barrier", "reduce_scatter"])
 

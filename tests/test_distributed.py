@@ -797,6 +797,40 @@ def test_file_timer_records_of_a_past_deadline_and_of_torchs_default_scope(
     assert "contextlib.py:" not in session.text, session.text
 
 
+FILE_TIMER_IN_PYTEST = """
+import os
+import time
+
+import pytest
+import torch.distributed.elastic.timer as timer
+
+
+@pytest.mark.expires(2)
+def test_both():
+    client = timer.FileTimerClient(os.environ["TORCHELASTIC_TIMER_FILE"], signal=0)
+    timer.configure(client)
+    with timer.expires(after=0.3, scope="file-step"):
+        time.sleep(1)  # recorded, left running (signal 0)
+    time.sleep(60)  # then the test's own budget runs out
+"""
+
+
+@pytest.mark.expires(TORCH_BUDGET)
+def test_a_file_timer_request_and_a_scope_of_one_process_keep_a_record_each(
+    pytester: pytest.Pytester,
+) -> None:
+    """The pytest process sends a file-timer request that expires, then its test's call
+    phase expires. Both are in the report: the request's record was superseded by the
+    phase's, which had the same process and serial."""
+    pytester.makepyfile(test_in_pytest=FILE_TIMER_IN_PYTEST)
+    session = run(pytester, f"--elastic-timer-grace={GRACE:g}", timeout=TORCH_TIMEOUT)
+    session.assert_clean()
+    session.result.assert_outcomes(failed=1)
+    request, phase = session.record("file-step"), session.record("test_both::call")
+    assert (request["action"], phase["action"]) == ("reported", "interrupted")
+    assert request["pid"] == phase["pid"] and request["serial"] != phase["serial"]
+
+
 FILE_TIMER_SIGNALS = (
     FILE_TIMER_CHILD
     + """

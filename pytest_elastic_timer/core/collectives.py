@@ -415,10 +415,16 @@ def world_of(seeds: Iterable[Ring], others: Iterable[Ring]) -> list[Ring]:
     of ``others`` with the same world (``world_id`` and test), the newest ring of a
     rank winning (a rank started again, or a pid reused, leaves older rings behind)."""
     seeds = [r for r in seeds if r.rank >= 0]
-    keys = {(r.world_id, r.nodeid) for r in seeds if r.world_id}
-    return newest_per_rank(
-        [*seeds, *(r for r in others if (r.world_id, r.nodeid) in keys and r.rank >= 0)]
-    )
+    sizes = {(r.world_id, r.nodeid): r.world for r in seeds if r.world_id}
+    return newest_per_rank([*seeds, *(r for r in others if _fits(r, sizes))])
+
+
+def _fits(ring: Ring, sizes: Mapping[tuple[str, str], int]) -> bool:
+    """Whether ``ring`` is a rank of one of the worlds that ``sizes`` gives the size of
+    (0: not known), by their ``world_id`` and test. A smaller world that met where a
+    larger one had (the same ``MASTER_PORT`` again) has none of its higher ranks."""
+    size = sizes.get((ring.world_id, ring.nodeid))
+    return size is not None and ring.rank >= 0 and (size <= 0 or ring.rank < size)
 
 
 def newest_per_rank(rings: Iterable[Ring]) -> list[Ring]:
@@ -828,9 +834,16 @@ def labels(directory: str, pids: Iterable[int]) -> dict[int, str]:
 
 def rings_of_test(directory: str, nodeid: str) -> list[Ring]:
     """The rings of the processes a test started (their ``PYTEST_CURRENT_TEST``), one
-    per rank of the newest world, ordered by rank."""
+    per rank of one world, ordered by rank: the world of the rank that died last, else
+    the newest. A test that made worlds one after another (a retry, a smaller world
+    after a larger one) shows the one that failed, not a mix of their ranks."""
     headers = read_rings(ring_paths(directory), header_only=True)
-    return _whole(newest_per_rank(r for r in headers if r.nodeid == nodeid and r.rank >= 0))
+    ranks = [r for r in headers if r.nodeid == nodeid and r.rank >= 0]
+    if not ranks:
+        return []
+    last = max([r for r in ranks if died(r)] or ranks, key=lambda r: r.created)
+    sizes = {(last.world_id, last.nodeid): last.world}
+    return _whole(newest_per_rank(r for r in ranks if _fits(r, sizes)))
 
 
 def died(ring: Ring) -> bool:

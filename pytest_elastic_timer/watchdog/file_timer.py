@@ -30,6 +30,7 @@ by the wiring (:func:`pytest_elastic_timer.watchdog.wiring.build`).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -37,6 +38,7 @@ import signal
 import socket
 import stat
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from pytest_elastic_timer.core import startup
@@ -46,6 +48,11 @@ from pytest_elastic_timer.watchdog.host import Adopted, TableHost
 FIFO_NAME = startup.TORCH_TIMER_FIFO
 ENV_FILE = startup.ENV_TORCH_TIMER_FILE
 MAX_LINE = 4096  # torch refuses requests above PIPE_BUF; we allow a little more
+# A process's requests are numbered from here up: a record is known by its process and
+# serial, and the process's own scopes count from 1 (the session's barrier, event and
+# lock timeouts from -1 down). A request's record superseded a scope's of the same
+# number, in the pytest process that also runs the test's phase scopes.
+FIRST_SERIAL = (1 << 32) + 1
 
 
 class FileTimerIntake:
@@ -67,7 +74,7 @@ class FileTimerIntake:
         self.scopes: dict[tuple[int, str], int] = {}  # (pid, scope_id) -> slot
         self.tables: dict[int, tbl.ScopeTable] = {}  # pid -> the table its slots are in
         self.free: dict[int, list[int]] = {}
-        self.serials = iter(range(1, 1 << 62))
+        self.serials: dict[int, Iterator[int]] = {}  # pid -> its requests' serials
 
     def close(self) -> None:
         for fd in (self.read_fd, self.keep_fd):
@@ -147,7 +154,7 @@ class FileTimerIntake:
         nodeid = owner.current_test()
         table.write_slot(
             slot,
-            next(self.serials),
+            next(self.serials.setdefault(pid, itertools.count(FIRST_SERIAL))),
             deadline,
             now,
             0,
