@@ -687,6 +687,49 @@ def test_a_c_loop_owner_is_dumped_and_its_tree_terminated() -> None:
                 proc.stdout.close()
 
 
+def test_an_owner_gone_by_itself_before_its_termination_is_not_said_ended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The owner, stuck in a C loop, was dumped at the end of its grace and then ended
+    by someone else (its parent, as torch's spawn ends a rank whose sibling died) before
+    the watchdog sent anything: the record is ``interrupted`` with nothing in
+    ``killed``. It said ``terminated`` (``killed`` for a torch request asking SIGKILL),
+    though the watchdog had ended nothing."""
+    with serving(grace=GRACE, kill_after=1.0) as dog:
+        env = {**os.environ, ENV_ADDRESS: dog.address}
+        env.pop(ENV_DUMP_SIGNAL, None)  # the outer session's stack dumps go elsewhere
+        proc = subprocess.Popen(
+            [sys.executable, "-c", STUCK_CHILD], env=env, stdout=subprocess.PIPE, text=True
+        )
+        dumped = dog.ladder.dumper.owner
+
+        def dumped_then_gone(owner: object) -> Iterator[float]:
+            stack = yield from dumped(owner)  # type: ignore[arg-type]
+            proc.kill()  # ended by its parent, as the watchdog was about to
+            while psutil.Process(proc.pid).status() != psutil.STATUS_ZOMBIE:
+                time.sleep(0.01)
+            return stack
+
+        monkeypatch.setattr(dog.ladder.dumper, "owner", dumped_then_gone)
+        grandchild = 0
+        try:
+            assert proc.stdout is not None
+            grandchild = int(proc.stdout.readline())
+            assert pump(dog, lambda: bool(dog.records), 20.0), "no record"
+            (record,) = dog.records
+            assert (record.scope, record.action, record.killed) == ("crunch", "interrupted", [])
+            assert "in crunch" in record.stack  # the dump taken before it was gone
+        finally:
+            proc.kill()
+            proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+            if grandchild:  # left by its parent: ours to end
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(grandchild, signal.SIGKILL)
+                assert wait_gone(grandchild, 5.0)
+
+
 # -- the watchdog process imports nothing of pytest ------------------------------------
 CLIENT = """
 import pytest_elastic_timer as et

@@ -171,6 +171,9 @@ class Ladder:
             return
         # Zombies left out: nothing to end, and nothing the owner runs now.
         tree = proctree.alive(proctree.tree_of(owner.proc, {os.getpid()}))
+        if not tree:  # gone by itself since the last look (its parent ended it, say)
+            self._closed(owner, expiry, stack)
+            return
         below = [p for p in tree if p.pid != owner.pid]
         if not expiry.children:
             expiry.children = [proctree.describe(p) for p in below]
