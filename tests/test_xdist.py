@@ -17,6 +17,7 @@ import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -160,6 +161,9 @@ def junit_cases(path: Path) -> dict[str, list[ET.Element]]:
 
 
 # -- a C loop under -n 2: terminated, reported by scope, the session goes on ----------
+GIL_ID = "test_x.py::test_gil"
+
+
 def test_c_loop_in_a_worker_fails_by_its_scope(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_x=GIL_TESTS)
     session = run_xdist(pytester, GRACE, "-rA")
@@ -169,12 +173,18 @@ def test_c_loop_in_a_worker_fails_by_its_scope(pytester: pytest.Pytester) -> Non
 
     # Within a few seconds, although the C loop would run for minutes.
     assert session.seconds < 40, session.text
-    (record,) = records_of(session, "test_x.py::test_gil")
+    (record,) = records_of(session, GIL_ID)
     assert record["scope"] == "test_gil::call"
     assert re.fullmatch(HARD, record["action"])
     assert 1 <= record["elapsed"] < 1 + 0.5 + 4
     assert (record["pid"], record["worker"]) == (worker_pid, worker_id)
     assert child_pid in {p["pid"] for p in record["killed"]}  # the worker's whole tree
+    # It lasted as long as its scope ran, not the 0 s of xdist's report of a crash
+    # (--durations, JUnit and the slowest tests read the report's duration).
+    assert session.report is not None
+    (slowest,) = [e for e in session.report["session"]["slowest"] if e["nodeid"] == GIL_ID]
+    (call,) = [s for s in slowest["scopes"] if s["scope"] == "test_gil::call"]
+    assert call["seconds"] == pytest.approx(record["elapsed"], abs=0.01), slowest
 
     # The failure's first line is the scope line, not xdist's "worker crashed".
     first = lead(session, "test_gil")
@@ -534,15 +544,47 @@ def test_requeued_unit_with_one_test_left_does_not_hang(
     pytester: pytest.Pytester, mode: str
 ) -> None:
     pytester.makepyfile(**REQUEUE_TESTS)
+    # The hang depended on the order of two re-queued units (4 runs in 5 hung).
+    for output in three_sessions_that_end(pytester, mode):
+        assert "TIMEOUT test_z.py::test_gil" in output and "1 failed, 14 passed" in output
+
+
+def three_sessions_that_end(pytester: pytest.Pytester, mode: str) -> Iterator[str]:
+    """The output of three sessions under ``--dist=mode``, each asserted to have ended
+    by itself, with tests failed, and no INTERNALERROR: the first that hangs fails."""
     args = [*XDIST, GRACE, f"--dist={mode}", "-rA"]
-    # The hang depended on the order of two re-queued units (4 runs in 5 hung):
-    # three attempts, the first that hangs fails the test.
     for attempt in range(3):
-        status = run_or_kill(pytester, args, timeout=30)
+        status = run_or_kill(pytester, args, timeout=40)
         output = (pytester.path / "output.txt").read_text(errors="replace")
         assert status is not None, f"attempt {attempt + 1} hung:\n{output}"
+        assert "INTERNALERROR" not in output, output
         assert status == pytest.ExitCode.TESTS_FAILED, output
-        assert "TIMEOUT test_z.py::test_gil" in output and "1 failed, 14 passed" in output
+        yield output
+
+
+# A test of each of three files hangs: each of their workers, and replacements, are
+# ended. xdist re-queues every unit of an ended worker, those it had finished too, and
+# the replacement was handed such an empty unit and one test, which it held waiting
+# for a next one, while a unit stayed queued: the session hung (2 runs in 3), or ended
+# in an INTERNALERROR (a KeyError: xdist scheduled a replacement whose collection had
+# not come yet, another having been replaced at once).
+THREE_HANGING_FILES = {
+    f"test_{m}": "import pytest\n\n\n@pytest.mark.expires(0.5)\n"
+    "def test_hang():\n    sum(range(10**11))\n\n\ndef test_after():\n    pass\n"
+    for m in "abc"
+}
+
+
+@pytest.mark.parametrize("mode", ["loadscope", "loadfile"])
+def test_workers_ended_in_three_files_leave_no_unit_behind(
+    pytester: pytest.Pytester, mode: str
+) -> None:
+    pytester.makepyfile(**THREE_HANGING_FILES)
+    for output in three_sessions_that_end(pytester, mode):
+        assert "3 failed, 3 passed" in output, output
+        for m in "abc":
+            assert f"TIMEOUT test_{m}.py::test_hang" in output, output
+            assert f"PASSED test_{m}.py::test_after" in output, output
 
 
 # -- --max-worker-restart=0 -----------------------------------------------------------

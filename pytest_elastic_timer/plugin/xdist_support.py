@@ -286,6 +286,10 @@ def pytest_handlecrashitem(crashitem: str, report: pytest.TestReport, sched: Any
         _mark_done(sched, crashitem)
     path, domain = crashitem.split("::", 1)[0], crashitem.split("::")[-1]
     report.when = phase_of(record, domain)
+    if record.scope.startswith(f"{domain}::"):
+        # xdist's report of a crashed worker's test lasts 0 s: --durations, the JUnit
+        # time and the slowest tests would have this one among the quickest.
+        report.duration = record.elapsed
     lineno = max(record.line - 1, 0) if record.file.endswith(path) else None
     report.location = (path, lineno, domain)
     report.longrepr = ExpiryRepr(record, path, record.line, config)
@@ -349,33 +353,41 @@ def _mark_done(sched: Any, nodeid: str) -> None:
     for scope, unit in list(workqueue.items()):
         if isinstance(unit, dict) and nodeid in unit:
             unit[nodeid] = True
-            if all(unit.values()):
-                # A unit with nothing left to run would be handed to a worker as an
-                # empty batch and keep the session from ever finishing.
-                del workqueue[scope]
+        if isinstance(unit, dict) and all(unit.values()):
+            # xdist re-queues every unit of the ended worker, those it had finished
+            # too. A unit with nothing left to run would be handed to a worker as an
+            # empty batch, in place of a test it needs (see below).
+            del workqueue[scope]
 
 
 def _keep_replacements_busy(sched: Any) -> None:
-    """A replacement worker is given one work unit; if that unit has a single test
-    (our marking shrinks re-queued units), the worker holds it until it gets a next test
-    or shutdown, and nothing ever sends either. Look once more after each reschedule:
-    a second unit, or shutdown when none is left."""
+    """A worker runs a test once it has the next one, or shutdown: one left with a
+    single test (our marking shrinks re-queued units) holds it until either comes, and
+    nothing would send either. After each reschedule, go on giving it units until it
+    has two tests or shutdown. A replacement worker whose collection has not come yet
+    is left for later: xdist schedules every worker once a replacement's collection
+    comes, and one without a collection of its own fails there (a KeyError, an
+    INTERNALERROR), which two workers replaced at once make likely."""
     reschedule = getattr(sched, "_reschedule", None)
     pending_of = getattr(sched, "_pending_of", None)
     assigned = getattr(sched, "assigned_work", None)
-    if reschedule is None or pending_of is None or assigned is None:
+    collections = getattr(sched, "registered_collections", None)
+    if reschedule is None or pending_of is None or assigned is None or collections is None:
         return
     if getattr(reschedule, "_elastic_timer", False):
         return
 
-    def twice(node: Any) -> None:
+    def until_it_holds_two(node: Any) -> None:
+        if node not in collections:
+            return
         reschedule(node)
         work = assigned.get(node)
-        if work is not None and not node.shutting_down and pending_of(work) < 2:
+        # Each turn hands it a unit (the queue shrinks) or shutdown (it ends).
+        while work is not None and not node.shutting_down and pending_of(work) < 2:
             reschedule(node)
 
-    twice._elastic_timer = True  # type: ignore[attr-defined]
-    sched._reschedule = twice
+    until_it_holds_two._elastic_timer = True  # type: ignore[attr-defined]
+    sched._reschedule = until_it_holds_two
 
 
 # -- worker --------------------------------------------------------------------------
