@@ -1018,6 +1018,24 @@ def test_fallback_file_is_valid_xml_with_awkward_text(tmp_path: Path) -> None:
     assert suite is not None and suite.get("time") == "2.500"
 
 
+def test_fallback_file_has_an_error_for_a_setup_or_teardown_expiry(tmp_path: Path) -> None:
+    """As pytest's own file has it (and the plugin's under xdist): a scope expired in a
+    test's setup or teardown, or the session's in a session fixture's teardown, is an
+    ``<error>``; in the call a ``<failure>``. The fallback had a failure for each."""
+    path = tmp_path / "junit.xml"
+    teardown = record(nodeid="tests/test_a.py::test_t", scope="test_t::teardown", phase="teardown")
+    session_scope = record(nodeid="", scope="session", phase="teardown")
+    call = record(phase="call")
+    junit_fallback.write(str(path), [teardown, session_scope, call], {"pid": 7})
+    cases = junit_cases(path)
+    assert_expired_case(cases["tests.test_a::test_t"], teardown, tag="error")
+    assert_expired_case(cases["pytest::session"], session_scope, tag="error")
+    assert_expired_case(cases["tests.test_a::test_b"], call)
+    suite = ET.parse(path).getroot().find("testsuite")
+    assert suite is not None
+    assert (suite.get("errors"), suite.get("failures"), suite.get("tests")) == ("3", "1", "4")
+
+
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 RED_TIMEOUT = "\x1b[31mTIMEOUT\x1b[0m"
 

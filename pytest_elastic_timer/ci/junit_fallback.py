@@ -4,9 +4,10 @@ pytest writes ``--junitxml`` at the end of its session; a pytest process that wa
 killed (``kill -9``, the OOM killer, a CI step timeout, or the watchdog ending a C call
 in a single-process session) leaves no file, and the CI job shows no failed test at
 all. The watchdog outlives pytest, so it writes the file instead: one ``<testcase>``
-per test with an expired scope, failed with the same ``<failure>`` and properties that
-:mod:`.reports` adds to pytest's own file, plus one ``<error>`` testcase
-``pytest.session`` that says pytest was ended before it could write its report.
+per test with an expired scope, failed with the same ``<failure>`` (``<error>`` in setup
+or teardown) and properties that :mod:`.reports` adds to pytest's own file, plus one
+``<error>`` testcase ``pytest.session`` that says pytest was ended before it could
+write its report.
 
 Nothing here imports pytest: it runs in the watchdog process.
 """
@@ -84,9 +85,9 @@ def _testcase(nodeid: str, records: list[ExpiryRecord]) -> ET.Element:
     props = ET.SubElement(case, "properties")
     for key, value in properties_of(records[0]):
         ET.SubElement(props, "property", name=key, value=xml_safe(value))
-    failure = ET.SubElement(
-        case, "failure", type=FAILURE_TYPE, message=xml_safe(records[0].line_text())
-    )
+    # As pytest's junitxml has it: a failure in the call, an error in setup or teardown.
+    tag = "error" if records[0].phase in ("setup", "teardown") else "failure"
+    failure = ET.SubElement(case, tag, type=FAILURE_TYPE, message=xml_safe(records[0].line_text()))
     failure.text = xml_safe(failure_text(records))
     return case
 
@@ -112,11 +113,12 @@ def build(records: Iterable[ExpiryRecord], session: dict[str, Any]) -> ET.Elemen
     )
     started = float(session.get("started") or time.time())
     ended_at = float(session.get("ended") or time.time())
+    errors = sum(1 for case in cases if case.find("error") is not None)
     suite = ET.Element(
         "testsuite",
         name="pytest",
-        errors="1",
-        failures=str(len(cases)),
+        errors=str(1 + errors),
+        failures=str(len(cases) - errors),
         skipped="0",
         tests=str(len(cases) + 1),
         time=f"{max(ended_at - started, 0.0):.3f}",
