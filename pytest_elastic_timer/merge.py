@@ -17,7 +17,7 @@ import os
 import sys
 from typing import Any, TextIO
 
-from pytest_elastic_timer.core import records
+from pytest_elastic_timer.core import records, schema
 
 
 class BadReport(ValueError):
@@ -38,6 +38,10 @@ def load(path: str) -> dict[str, Any]:
         raise BadReport(f"{path}: 'expired' is not a list of records")
     if not isinstance(session, dict):
         raise BadReport(f"{path}: 'session' is not an object")
+    found = schema.violations(report, schema.report_schema())
+    if found:  # its records would go on into the merged report as they are
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        raise BadReport(f"{path}: not a valid report: {found[0]}{more}")
     for index, data in enumerate(expired):
         try:  # as print_summary will: a record it cannot print is no record
             records.format_record(records.ExpiryRecord.from_json(data), with_stack=True)

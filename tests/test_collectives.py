@@ -619,7 +619,7 @@ def test_a_record_with_a_collective_matches_the_schema_and_says_it_in_one_line(
 ) -> None:
     jsonschema = pytest.importorskip("jsonschema")
     from pytest_elastic_timer.ci import reports as ci_reports
-    from pytest_elastic_timer.core import records
+    from pytest_elastic_timer.core import records, schema
 
     zero, one = ranks(2)
     one.op("broadcast")
@@ -641,7 +641,17 @@ def test_a_record_with_a_collective_matches_the_schema_and_says_it_in_one_line(
         collective=col.align(rings([zero, one]), NOW),
     )
     report = {"version": 1, "expired": [record.to_json()], "session": SESSION}
-    jsonschema.Draft202012Validator(ci_reports.report_schema()).validate(report)
+    validator = jsonschema.Draft202012Validator(ci_reports.report_schema())
+    validator.validate(report)
+    # The package's own check (the merge command's) reads the schema alike.
+    assert schema.violations(report, ci_reports.report_schema()) == []
+    collective: dict[str, Any] = report["expired"][0]["collective"]  # type: ignore[index]
+    collective["ranks"]["zero"] = collective["ranks"]["0"]  # ranks are named by numbers
+    assert not validator.is_valid(report)
+    assert schema.violations(report, ci_reports.report_schema()) == [
+        "$.expired[0].collective.ranks.zero (name): 'zero' does not match '^[0-9]+$'"
+    ]
+    del collective["ranks"]["zero"]
     assert record.to_json()["collective"]["ranks"]["0"]["shapes"] == [[4], [2, 2]]
     text = records.format_record(record)
     (line,) = [s for s in text.splitlines() if s.startswith("  collective ")]

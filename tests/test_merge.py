@@ -23,6 +23,8 @@ from helpers import LEAN
 from standin_hosts import StandInHost
 
 import pytest_elastic_timer
+from pytest_elastic_timer import merge as merge_module
+from pytest_elastic_timer.core import schema
 
 SCHEMA = Path(pytest_elastic_timer.__file__).parent / "core" / "report.schema.json"
 
@@ -113,11 +115,66 @@ def test_each_report_keeps_host_empty_for_its_own_machine(
         assert report["session"]["host"] == host
 
 
-def test_the_report_pages_example_is_a_valid_report() -> None:
-    """docs/report.md shows a real report: it has every field the schema requires."""
+def example_report() -> dict[str, Any]:
+    """The real report docs/report.md shows."""
     page = (Path(__file__).parent.parent / "docs" / "report.md").read_text()
     example = page.split("## Example", 1)[1].split("```json\n", 1)[1].split("\n```", 1)[0]
-    jsonschema.validate(json.loads(example), json.loads(SCHEMA.read_text()))
+    report: dict[str, Any] = json.loads(example)
+    return report
+
+
+def test_the_report_pages_example_is_a_valid_report() -> None:
+    """docs/report.md shows a real report: it has every field the schema requires."""
+    jsonschema.validate(example_report(), json.loads(SCHEMA.read_text()))
+
+
+# Records that the JSON Schema refuses, by what is wrong in them.
+WRONG_RECORDS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "pid a string": lambda r: r.update(pid="12"),
+    "line below 0": lambda r: r.update(line=-1),
+    "line not whole": lambda r: r.update(line=1.5),
+    "host a number": lambda r: r.update(host=5),
+    "unknown action": lambda r: r.update(action="exploded"),
+    "stack null": lambda r: r.update(stack=None),
+    "nodeid a number": lambda r: r.update(nodeid=1),
+    "budget a boolean": lambda r: r.update(budget=True),
+    "elapsed below 0": lambda r: r.update(elapsed=-1.0),
+    "no label": lambda r: r.pop("label"),
+    "a killed process without pid": lambda r: r.update(killed=[{"name": "python"}]),
+    "a child's pid a string": lambda r: r.update(children=[{"pid": "7"}]),
+}
+
+
+@pytest.mark.parametrize("wrong", WRONG_RECORDS)
+def test_a_report_whose_record_the_schema_refuses_is_refused(tmp_path: Path, wrong: str) -> None:
+    """The record went into the merged report as it was (exit 0): a merged report the
+    schema refused. The command checks its reports against the schema, which the
+    package's own check (no validator library) reads as jsonschema does."""
+    report = example_report()
+    WRONG_RECORDS[wrong](report["expired"][0])
+    assert not jsonschema.Draft202012Validator(json.loads(SCHEMA.read_text())).is_valid(report)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(report))
+    done = merge(bad, "-o", tmp_path / "all.json")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"{bad}: not a valid report: $.expired[0]" in done.stderr, done.stderr
+    assert not (tmp_path / "all.json").exists()
+
+
+def test_the_packages_schema_check_reads_the_schema_as_jsonschema_does() -> None:
+    """Valid reports (the docs' example, and its merge) and each wrong record: the
+    package's check and jsonschema agree on every one."""
+    rules = schema.report_schema()
+    validator = jsonschema.Draft202012Validator(rules)
+    documents = [example_report()]
+    documents.append(merge_module.merge([("ci-1.json", example_report())]))
+    for wrong in WRONG_RECORDS.values():
+        report = example_report()
+        wrong(report["expired"][0])
+        documents.append(report)
+    for report in documents:
+        assert bool(schema.violations(report, rules)) == (not validator.is_valid(report)), report
+    assert len([d for d in documents if validator.is_valid(d)]) == 2
 
 
 def test_a_file_that_is_not_a_report_is_refused(tmp_path: Path) -> None:

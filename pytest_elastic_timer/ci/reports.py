@@ -3,15 +3,6 @@ for checking a report in CI (``jsonschema.validate(report, report_schema())``)."
 
 from __future__ import annotations
 
-import json
-from importlib import resources
-from typing import Any
+from pytest_elastic_timer.core.schema import report_schema
 
-SCHEMA = "report.schema.json"
-
-
-def report_schema() -> dict[str, Any]:
-    """The JSON Schema of the JSON report (``--elastic-timer-report``)."""
-    text = resources.files("pytest_elastic_timer.core").joinpath(SCHEMA).read_text(encoding="utf-8")
-    schema: dict[str, Any] = json.loads(text)
-    return schema
+__all__ = ["report_schema"]
