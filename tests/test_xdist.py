@@ -517,6 +517,49 @@ def test_under_dist_each_a_test_ended_on_one_worker_runs_on_the_others(
     assert_all_gone(session, all_pids(pytester))
 
 
+EACH_TWICE_ENDED = (
+    RECORD_PID
+    + """
+
+@pytest.mark.expires(0.5)
+def test_gil_1():
+    record_pid("test_gil_1")
+    sum(range(10**11))
+
+
+@pytest.mark.expires(0.5)
+def test_gil_2():
+    record_pid("test_gil_2")
+    sum(range(10**11))
+
+
+def test_ok():
+    record_pid("test_ok")
+"""
+)
+
+
+def test_under_dist_each_a_replacement_worker_ended_in_turn_reports_its_test(
+    pytester: pytest.Pytester,
+) -> None:
+    """``--dist each``: each worker is ended in test_gil_1, and its replacement in
+    test_gil_2. test_gil_2 went unreported and test_ok unrun (xdist kept no collection
+    of a replacement, to name the test it lost), the JUnit file with a nameless
+    testcase."""
+    pytester.makepyfile(test_e=EACH_TWICE_ENDED)
+    session = run_xdist(pytester, "--dist=each", "-rA", GRACE, "--junitxml=junit.xml")
+    assert results(session) == {
+        ("TIMEOUT", "test_e.py::test_gil_1"): 2,
+        ("TIMEOUT", "test_e.py::test_gil_2"): 2,
+        ("PASSED", "test_e.py::test_ok"): 2,
+    }, session.text
+    assert final_line(session) == "4 failed, 2 passed"
+    cases = ET.parse(pytester.path / "junit.xml").getroot().iter("testcase")
+    names = collections.Counter(case.get("name") for case in cases)
+    assert names == {"test_gil_1": 2, "test_gil_2": 2, "test_ok": 2}, names
+    assert_all_gone(session, all_pids(pytester))
+
+
 def run_or_kill(pytester: pytest.Pytester, args: list[str], timeout: float) -> int | None:
     """Run an inner pytest; its exit status, or None when it hung (its whole process
     tree is killed then, so nothing is left behind)."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -284,6 +284,7 @@ def pytest_handlecrashitem(crashitem: str, report: pytest.TestReport, sched: Any
         _run_again(state.watchdog.directory, crashitem)
     else:
         _mark_done(sched, crashitem)
+    _keep_replacements_collections(sched)
     path, domain = crashitem.split("::", 1)[0], crashitem.split("::")[-1]
     report.when = phase_of(record, domain)
     if record.scope.startswith(f"{domain}::"):
@@ -388,6 +389,28 @@ def _keep_replacements_busy(sched: Any) -> None:
 
     until_it_holds_two._elastic_timer = True  # type: ignore[attr-defined]
     sched._reschedule = until_it_holds_two
+
+
+def _keep_replacements_collections(sched: Any) -> None:
+    """``--dist each``: xdist keeps the collection of the first workers only, not of a
+    replacement, and when a replacement is lost in turn it cannot name the test that
+    worker ran (a KeyError it swallows): that test went unreported, and the tests after
+    it unrun. Keep a replacement's collection as xdist keeps the first workers'."""
+    add = getattr(sched, "add_node_collection", None)
+    collections = getattr(sched, "node2collection", None)
+    pending = getattr(sched, "node2pending", None)
+    if add is None or not isinstance(collections, dict) or not isinstance(pending, dict):
+        return
+    if getattr(add, "_elastic_timer", False):
+        return
+
+    def add_node_collection(node: Any, collection: Sequence[str]) -> None:
+        add(node, collection)
+        if pending.get(node):  # a replacement, given the tests its predecessor had left
+            collections.setdefault(node, list(collection))
+
+    add_node_collection._elastic_timer = True  # type: ignore[attr-defined]
+    sched.add_node_collection = add_node_collection
 
 
 # -- worker --------------------------------------------------------------------------
