@@ -560,6 +560,45 @@ def test_under_dist_each_a_replacement_worker_ended_in_turn_reports_its_test(
     assert_all_gone(session, all_pids(pytester))
 
 
+EACH_LAST_ENDED = (
+    RECORD_PID
+    + """
+
+@pytest.mark.parametrize("i", range(3))
+def test_x(i):
+    record_pid("test_x")
+    if os.environ["PYTEST_XDIST_WORKER"] == "gw1":
+        time.sleep(2)  # still busy when gw0 is ended in its last test
+
+
+@pytest.mark.expires(0.5)
+def test_last():
+    record_pid("test_last")
+    if os.environ["PYTEST_XDIST_WORKER"] == "gw0":
+        sum(range(10**11))
+"""
+)
+
+
+def test_under_dist_each_a_worker_ended_in_its_last_test_is_replaced_by_one_that_stops(
+    pytester: pytest.Pytester,
+) -> None:
+    """``--dist each``: gw0 is ended in its last test while gw1 runs on. Its replacement
+    has nothing left to run, and stops. It was scheduled as a new worker, to run every
+    test, and failed there: an INTERNALERROR (KeyError), gw1's results lost."""
+    pytester.makepyfile(test_e=EACH_LAST_ENDED)
+    session = run_xdist(pytester, "--dist=each", "-rA", GRACE)
+    assert "INTERNALERROR" not in session.text, session.text
+    assert results(session) == {
+        **{("PASSED", f"test_e.py::test_x[{i}]"): 2 for i in range(3)},
+        ("TIMEOUT", "test_e.py::test_last"): 1,
+        ("PASSED", "test_e.py::test_last"): 1,
+    }, session.text
+    assert session.result.ret == pytest.ExitCode.TESTS_FAILED
+    assert len(runs(pytester, "test_x")) == 6  # none run again by the replacement
+    assert_all_gone(session, all_pids(pytester))
+
+
 def run_or_kill(pytester: pytest.Pytester, args: list[str], timeout: float) -> int | None:
     """Run an inner pytest; its exit status, or None when it hung (its whole process
     tree is killed then, so nothing is left behind)."""

@@ -393,24 +393,52 @@ def _keep_replacements_busy(sched: Any) -> None:
 
 def _keep_replacements_collections(sched: Any) -> None:
     """``--dist each``: xdist keeps the collection of the first workers only, not of a
-    replacement, and when a replacement is lost in turn it cannot name the test that
-    worker ran (a KeyError it swallows): that test went unreported, and the tests after
-    it unrun. Keep a replacement's collection as xdist keeps the first workers'."""
+    replacement, and so:
+
+    - losing a replacement in turn, it could not name the test that worker ran (a
+      KeyError it swallows): that test went unreported, and the tests after it unrun;
+    - a replacement for a worker ended in its last test has nothing left to run, and
+      was scheduled as a new worker, to run every test;
+    - a replacement whose collection had not come yet when another's came was
+      scheduled with it, as a new worker.
+
+    The last two failed in the scheduler (a KeyError, an INTERNALERROR). Keep a
+    replacement's collection as xdist keeps the first workers', shut down one that has
+    nothing to run, and schedule none before its collection has come."""
     add = getattr(sched, "add_node_collection", None)
+    schedule = getattr(sched, "schedule", None)
     collections = getattr(sched, "node2collection", None)
     pending = getattr(sched, "node2pending", None)
-    if add is None or not isinstance(collections, dict) or not isinstance(pending, dict):
+    started = getattr(sched, "_started", None)
+    if add is None or schedule is None or getattr(add, "_elastic_timer", False):
         return
-    if getattr(add, "_elastic_timer", False):
+    if not (isinstance(collections, dict) and isinstance(pending, dict)):
+        return
+    if not isinstance(started, list):
         return
 
     def add_node_collection(node: Any, collection: Sequence[str]) -> None:
+        replacing = bool(getattr(sched, "collection_is_completed", False))
         add(node, collection)
-        if pending.get(node):  # a replacement, given the tests its predecessor had left
-            collections.setdefault(node, list(collection))
+        if not replacing:
+            return
+        collections.setdefault(node, list(collection))
+        if not pending.get(node) and node not in started:
+            started.append(node)  # not to be scheduled as a new worker, to run everything
+            node.shutdown()
+
+    def schedule_collected() -> None:
+        uncollected = [n for n in pending if n not in collections and n not in started]
+        started.extend(uncollected)  # passed over now, scheduled once their collection comes
+        try:
+            schedule()
+        finally:
+            for node in uncollected:
+                started.remove(node)
 
     add_node_collection._elastic_timer = True  # type: ignore[attr-defined]
     sched.add_node_collection = add_node_collection
+    sched.schedule = schedule_collected
 
 
 # -- worker --------------------------------------------------------------------------
