@@ -1025,15 +1025,21 @@ def test_fallback_file_has_an_error_for_a_setup_or_teardown_expiry(tmp_path: Pat
     path = tmp_path / "junit.xml"
     teardown = record(nodeid="tests/test_a.py::test_t", scope="test_t::teardown", phase="teardown")
     session_scope = record(nodeid="", scope="session", phase="teardown")
+    # A helper process's scope inside the setup: its own process was in no phase.
+    helper = record(nodeid="tests/test_a.py::test_h", scope="test_h::setup/serve", phase="")
     call = record(phase="call")
-    junit_fallback.write(str(path), [teardown, session_scope, call], {"pid": 7})
+    junit_fallback.write(str(path), [teardown, session_scope, helper, call], {"pid": 7})
     cases = junit_cases(path)
     assert_expired_case(cases["tests.test_a::test_t"], teardown, tag="error")
     assert_expired_case(cases["pytest::session"], session_scope, tag="error")
+    assert_expired_case(cases["tests.test_a::test_h"], helper, tag="error")
     assert_expired_case(cases["tests.test_a::test_b"], call)
     suite = ET.parse(path).getroot().find("testsuite")
     assert suite is not None
-    assert (suite.get("errors"), suite.get("failures"), suite.get("tests")) == ("3", "1", "4")
+    assert (suite.get("errors"), suite.get("failures"), suite.get("tests")) == ("4", "1", "5")
+    assert "listed as failures (errors where" in (
+        cases["pytest::session-ended"].findtext("error") or ""
+    )
 
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")

@@ -161,6 +161,24 @@ def test_a_report_whose_record_the_schema_refuses_is_refused(tmp_path: Path, wro
     assert not (tmp_path / "all.json").exists()
 
 
+def test_the_packages_schema_check_reads_patterns_and_boolean_schemas_as_jsonschema() -> None:
+    """``false`` refuses, ``true`` takes anything (a boolean schema was a TypeError);
+    patterns are read as jsonschema reads them (Python's re: "0\\n" matches
+    ``^[0-9]+$``, as it would not in ECMA-262)."""
+    rules = {
+        "type": "object",
+        "propertyNames": {"pattern": "^[0-9]+$"},
+        "additionalProperties": {"items": False},
+        "properties": {"7": True},
+    }
+    validator = jsonschema.Draft202012Validator(rules)
+    documents = [{"0": []}, {"0\n": []}, {"1": [1]}, {"x": []}, {"7": [1, "a"]}]
+    for document in documents:
+        found = schema.violations(document, rules)
+        assert bool(found) == (not validator.is_valid(document)), (document, found)
+    assert [bool(schema.violations(d, rules)) for d in documents] == [0, 0, 1, 1, 0]
+
+
 def test_the_packages_schema_check_reads_the_schema_as_jsonschema_does() -> None:
     """Valid reports (the docs' example, and its merge) and each wrong record: the
     package's check and jsonschema agree on every one."""

@@ -600,23 +600,26 @@ def test_under_dist_each_a_worker_ended_in_its_last_test_is_replaced_by_one_that
 
 
 @pytest.mark.parametrize(
-    ("nodeid", "name"),
+    ("nodeid", "grouped", "name"),
     [
-        ("test_h.py::test_alpha", "test_alpha"),
-        ("test_h.py::test_alpha@alpha", "test_alpha"),  # loadgroup's, on pytest 8
-        ("test_h.py::TestK::test_x[1-b]@group.one", "test_x[1-b]"),
-        ("test_h.py::test_x[a@b]", "test_x[a@b]"),  # an "@" of the parameters
-        ("test_h.py::test_x[a@b]@g", "test_x[a@b]"),
+        ("test_h.py::test_alpha", True, "test_alpha"),
+        ("test_h.py::test_alpha@alpha", True, "test_alpha"),  # loadgroup's, on pytest 8
+        ("test_h.py::TestK::test_x[1-b]@group.one", True, "test_x[1-b]"),
+        ("test_h.py::test_x[a@b]", True, "test_x[a@b]"),  # an "@" of the parameters
+        ("test_h.py::test_x[a@b]@g", True, "test_x[a@b]"),
+        ("spec.yaml::user@host", False, "user@host"),  # not loadgroup: an item's own "@"
     ],
 )
-def test_the_test_name_of_a_nodeid_leaves_out_xdists_group(nodeid: str, name: str) -> None:
+def test_the_test_name_of_a_nodeid_leaves_out_xdists_group(
+    nodeid: str, grouped: bool, name: str
+) -> None:
     """An ended worker's test under loadgroup (pytest 8, where xdist hands out nodeids
     with their group) lasted 0 s in --durations and JUnit, and its location named the
     group: its name kept the group, and its scopes' paths, named without, did not
     match it."""
     from pytest_elastic_timer.plugin.xdist_support import name_of_test
 
-    assert name_of_test(nodeid) == name
+    assert name_of_test(nodeid, grouped=grouped) == name
 
 
 def run_or_kill(pytester: pytest.Pytester, args: list[str], timeout: float) -> int | None:

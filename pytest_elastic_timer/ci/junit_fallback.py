@@ -86,7 +86,7 @@ def _testcase(nodeid: str, records: list[ExpiryRecord]) -> ET.Element:
     for key, value in properties_of(records[0]):
         ET.SubElement(props, "property", name=key, value=xml_safe(value))
     # As pytest's junitxml has it: a failure in the call, an error in setup or teardown.
-    tag = "error" if records[0].phase in ("setup", "teardown") else "failure"
+    tag = "failure" if records[0].test_phase() == "call" else "error"
     failure = ET.SubElement(case, tag, type=FAILURE_TYPE, message=xml_safe(records[0].line_text()))
     failure.text = xml_safe(failure_text(records))
     return case
@@ -109,7 +109,8 @@ def build(records: Iterable[ExpiryRecord], session: dict[str, Any]) -> ET.Elemen
     error.text = xml_safe(
         f"pytest (pid {pid}) was ended before it wrote its JUnit XML report; "
         f"pytest-elastic-timer's watchdog wrote this file instead.\n"
-        f"{len(by_test)} test(s) with expired scopes are listed as failures.\n"
+        f"{len(by_test)} test(s) with expired scopes are listed as failures (errors "
+        f"where the scope expired in setup or teardown).\n"
     )
     started = float(session.get("started") or time.time())
     ended_at = float(session.get("ended") or time.time())

@@ -55,6 +55,23 @@ class ExpiryRecord:
     # expiry: where a missing rank is.
     peers: list[dict[str, Any]] = field(default_factory=list)
 
+    def test_phase(self, name: str = "") -> str:
+        """The phase of test ``name`` (its nodeid's last part; the record's own test
+        without one) the scope expired in: the one its path names
+        (``test_x::setup/step`` -> setup), or for a scope outside the test's (the
+        session's, in a session fixture's teardown) the phase its process was in;
+        ``call`` otherwise."""
+        name = name or self.nodeid.split("::")[-1]
+        for when in ("setup", "teardown"):
+            if name and self.scope.startswith(f"{name}::{when}"):
+                return when
+        if not (name and self.scope.startswith(f"{name}::")) and self.phase in (
+            "setup",
+            "teardown",
+        ):
+            return self.phase
+        return "call"
+
     def line_text(self) -> str:
         """The one-line summary shared by every report of this expiry."""
         return (

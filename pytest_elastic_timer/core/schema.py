@@ -4,7 +4,8 @@ The package depends on no JSON Schema validator (only pytest, pytest-xdist and
 psutil), yet the merge command (``python -m pytest_elastic_timer.merge``) refuses a
 report that does not match the schema rather than pass its records on. :func:`violations`
 checks the keywords the report's schema uses (:data:`KEYWORDS`), as draft 2020-12 reads
-them; a schema with any other keyword is refused, not half checked. This module imports
+them (patterns with Python's ``re``, as the jsonschema package does), and boolean
+schemas; a schema with any other keyword is refused, not half checked. This module imports
 nothing from pytest.
 """
 
@@ -55,7 +56,12 @@ def violations(document: Any, schema: dict[str, Any]) -> list[str]:
     return list(_check(document, schema, schema, "$"))
 
 
-def _check(value: Any, schema: dict[str, Any], root: dict[str, Any], at: str) -> Iterator[str]:
+def _check(value: Any, schema: Any, root: dict[str, Any], at: str) -> Iterator[str]:
+    if schema is True:
+        return
+    if schema is False:
+        yield f"{at}: not allowed"
+        return
     unknown = set(schema) - KEYWORDS - ANNOTATIONS
     if unknown:
         raise ValueError(f"schema keyword(s) not supported at {at}: {sorted(unknown)}")
@@ -72,6 +78,8 @@ def _check(value: Any, schema: dict[str, Any], root: dict[str, Any], at: str) ->
         yield f"{at}: {value!r:.80} is not {schema['const']!r}"
     if _is(value, "number"):
         yield from _bounds(value, schema, at)
+    # Python's re, as the jsonschema package reads patterns (a "$" also matches before
+    # a last newline, where ECMA-262's does not): both accept the same reports.
     if isinstance(value, str) and "pattern" in schema and not re.search(schema["pattern"], value):
         yield f"{at}: {value!r:.80} does not match {schema['pattern']!r}"
     if isinstance(value, dict):

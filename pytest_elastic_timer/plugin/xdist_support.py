@@ -285,8 +285,9 @@ def pytest_handlecrashitem(crashitem: str, report: pytest.TestReport, sched: Any
     else:
         _mark_done(sched, crashitem)
     _keep_replacements_collections(sched)
-    path, domain = crashitem.split("::", 1)[0], name_of_test(crashitem)
-    report.when = phase_of(record, domain)
+    path = crashitem.split("::", 1)[0]
+    domain = name_of_test(crashitem, grouped=config.getvalue("dist") == "loadgroup")
+    report.when = record.test_phase(domain)  # type: ignore[assignment]  # one of pytest's
     if record.scope.startswith(f"{domain}::"):
         # xdist's report of a crashed worker's test lasts 0 s: --durations, the JUnit
         # time and the slowest tests would have this one among the quickest.
@@ -333,27 +334,15 @@ def _count_the_failure(config: pytest.Config) -> None:
         _stop_the_session(config, f"stopping after {count + 1} failures")
 
 
-def name_of_test(nodeid: str) -> str:
-    """The test's name in ``nodeid``: its last part, without the ``@group`` that
-    xdist's ``loadgroup`` adds to the nodeids it hands out on pytest 8
-    (``test_x.py::test_y[1]@alpha`` -> ``test_y[1]``)."""
+def name_of_test(nodeid: str, *, grouped: bool = False) -> str:
+    """The test's name in ``nodeid``: its last part, and where xdist's ``loadgroup``
+    hands out the tests (``grouped``), without the ``@group`` it adds to their nodeids
+    on pytest 8 (``test_x.py::test_y[1]@alpha`` -> ``test_y[1]``)."""
     name = nodeid.split("::")[-1]
     head, bracket, tail = name.rpartition("]")  # an "@" in the parameters stays
-    if "@" in tail:
-        return head + bracket + tail.rsplit("@", 1)[0]
+    if grouped and "@" in tail:
+        return head + bracket + tail.split("@", 1)[0]
     return name
-
-
-def phase_of(record: records.ExpiryRecord, name: str) -> Any:
-    """The test phase ``record``'s scope expired in: the one its path names
-    (``test_x::setup/step`` -> setup), or for a scope outside the test's (the session's,
-    in a session fixture's teardown) the phase its process was in."""
-    for when in ("setup", "teardown"):
-        if record.scope.startswith(f"{name}::{when}"):
-            return when
-    if not record.scope.startswith(f"{name}::") and record.phase in ("setup", "teardown"):
-        return record.phase
-    return "call"
 
 
 def _mark_done(sched: Any, nodeid: str) -> None:

@@ -459,29 +459,33 @@ def _wrap_batch(fn: Callable[..., Any]) -> Callable[..., Any]:
                 (_BATCHED[p2p.op.__name__], p2p.group, int(p2p.peer), p2p.tensor)
                 for p2p in _param(args, kwargs, 0, "p2p_op_list")
             ]
+            for _, group, _, _ in ops:
+                recorder.group_name(group)  # what can fail, before an op is numbered
             frame = sys._getframe(1)
             for kind, group, peer, tensor in ops:
                 name = b"isend" if kind == ring_format.SEND else b"irecv"
                 entry = recorder.begin(name, kind, group, peer, [tensor], frame)
                 if entry is not None:
                     begun.append(entry)
-        except Exception:  # not a valid batch: torch says why, unrecorded
+        except Exception:  # not a valid batch (torch says why), unrecorded
             for ring, serial in begun:
                 ring.complete(serial, ring_format.FAILED)
-            begun = []
-        if not begun:
-            return fn(*args, **kwargs)
-        ring = begun[0][0]
+            if not begun:
+                return fn(*args, **kwargs)
+            begun = []  # numbered already: the ops torch makes inside are not counted
         serials = [serial for _, serial in begun]
         recorder.local.depth += 1  # the isend and irecv calls the batch makes
         try:
             works = fn(*args, **kwargs)
         except BaseException:
-            for serial in serials:
+            for ring, serial in begun:
                 ring.complete(serial, ring_format.FAILED)
             raise
         finally:
             recorder.local.depth -= 1
+        if not begun:
+            return works
+        ring = begun[0][0]
         if isinstance(works, list) and len(works) == len(serials):
             for serial, work in zip(serials, works, strict=True):
                 _completion(ring, (serial,), work)
